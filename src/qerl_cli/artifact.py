@@ -1,0 +1,302 @@
+"""The artifact contract (DESIGN §2): one directory per stage output, described by ``manifest.json``.
+
+* ``key`` = sha256 of (stage kind, schema, config minus cosmetic fields, input digests): the cache key.
+* ``digest`` = sha256 of the key and every payload file's sha256: what downstream artifacts record.
+* A stage writes into a temporary sibling directory and renames it into place; a killed stage leaves no
+  half artifact (stale temporaries are swept on the next run).
+* An existing output with the same key whose files verify is a cache hit; anything else at the output path
+  is only replaced with ``force``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import resource
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from . import __version__, names, ui
+from .errors import QerlError
+
+_HASH_CHUNK = 1 << 22
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _safe_relpath(rel: str, root: Path) -> Path:
+    """A manifest path must name a file inside its artifact: no absolute paths, no ``..``."""
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or not p.parts or "\\" in rel:
+        raise QerlError(f"{root} has a manifest entry '{rel}' that points outside the artifact.")
+    return root / Path(*p.parts)
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of a stage, as recorded in the manifest."""
+
+    kind: str
+    path: str
+    digest: str
+
+    def as_dict(self) -> dict:
+        return {names.K_KIND: self.kind, names.K_PATH: self.path, names.K_DIGEST: self.digest}
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: dict
+
+    @property
+    def kind(self) -> str:
+        return self.manifest[names.K_KIND]
+
+    @property
+    def key(self) -> str:
+        return self.manifest[names.K_KEY]
+
+    @property
+    def digest(self) -> str:
+        return self.manifest[names.K_DIGEST]
+
+    @property
+    def config(self) -> dict:
+        return self.manifest[names.K_CONFIG]
+
+    @property
+    def metrics(self) -> dict:
+        return self.manifest.get(names.K_METRICS, {})
+
+    @property
+    def inputs(self) -> list[dict]:
+        return self.manifest.get(names.K_INPUTS, [])
+
+    def file(self, rel: str) -> Path:
+        return _safe_relpath(rel, self.path)
+
+    def as_input(self, out: Path) -> Input:
+        """This artifact as an input of the artifact that will live at ``out`` (path relative to it)."""
+        return Input(self.kind, os.path.relpath(self.path.resolve(), Path(out).resolve()), self.digest)
+
+
+def read_manifest(path: Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise QerlError(f"{path} does not exist.")
+    if not path.is_dir():
+        raise QerlError(f"{path} is not a directory, so it cannot be a qerl artifact.")
+    mf = path / names.MANIFEST
+    if not mf.is_file():
+        raise QerlError(f"{path} is not a qerl artifact: it has no {names.MANIFEST}.")
+    try:
+        manifest = json.loads(mf.read_text())
+    except (OSError, ValueError) as e:
+        raise QerlError(f"{mf} is not valid JSON ({e}).") from None
+    if not isinstance(manifest, dict):
+        raise QerlError(f"{mf} does not hold a JSON object.")
+    schema = str(manifest.get(names.K_SCHEMA, ""))
+    sname, _, major = schema.partition("/")
+    if sname != names.SCHEMA_NAME or not major.isdigit():
+        raise QerlError(f"{path} has an unknown manifest schema '{schema}' (expected {names.SCHEMA}).")
+    if int(major) != names.SCHEMA_MAJOR:
+        raise QerlError(f"{path} was written with artifact schema {schema}; this qerl reads {names.SCHEMA}.")
+    for k in (names.K_KIND, names.K_KEY, names.K_DIGEST, names.K_CONFIG, names.K_FILES):
+        if k not in manifest:
+            raise QerlError(f"{mf} lacks the required field '{k}'.")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict) -> str | None:
+    """None if every listed file exists with its size and sha256 (and no file is missing), else why not."""
+    listed = set()
+    for entry in manifest[names.K_FILES]:
+        rel = entry.get(names.K_PATH, "")
+        f = _safe_relpath(rel, path)
+        listed.add(rel)
+        if not f.is_file():
+            return f"file '{rel}' is missing"
+        if f.stat().st_size != entry.get(names.K_BYTES):
+            return f"file '{rel}' has {f.stat().st_size} bytes, the manifest says {entry.get(names.K_BYTES)}"
+        if sha256_file(f) != entry.get(names.K_SHA256):
+            return f"file '{rel}' does not match its sha256"
+    if _digest(manifest[names.K_KEY], manifest[names.K_FILES]) != manifest[names.K_DIGEST]:
+        return "its digest does not match its key and files"
+    return None
+
+
+def open_artifact(path: str | Path, kind: str | tuple[str, ...], check_files: bool = True) -> Artifact:
+    """Open an artifact directory, checking schema, kind and (by default) every file hash."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if manifest[names.K_KIND] not in kinds:
+        want = " or ".join(f"'{k}'" for k in kinds)
+        raise QerlError(f"{path} is a '{manifest[names.K_KIND]}' artifact, but a {want} artifact is needed here.")
+    if check_files:
+        problem = verify_files(path, manifest)
+        if problem:
+            raise QerlError(f"{path} is damaged: {problem}; recreate it with --force.")
+    return Artifact(path, manifest)
+
+
+def cache_key(kind: str, config: dict, inputs: list[Input]) -> str:
+    material = {
+        "stage": kind,
+        "schema": names.SCHEMA,
+        "config": {k: v for k, v in config.items() if k not in names.COSMETIC_FIELDS},
+        "inputs": sorted(i.digest for i in inputs),
+    }
+    return sha256_json(material)
+
+
+def _digest(key: str, files: list[dict]) -> str:
+    h = hashlib.sha256(key.encode())
+    for f in sorted(files, key=lambda e: e[names.K_PATH]):
+        h.update(f"{f[names.K_PATH]}:{f[names.K_SHA256]}".encode())
+    return h.hexdigest()
+
+
+def _list_files(root: Path) -> list[dict]:
+    files = []
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            raise QerlError(f"stage output {p.name} is a symbolic link; artifacts hold plain files only.")
+        if p.is_file() and p.name != names.MANIFEST:
+            rel = p.relative_to(root).as_posix()
+            files.append({names.K_PATH: rel, names.K_SHA256: sha256_file(p), names.K_BYTES: p.stat().st_size})
+    return files
+
+
+def _sweep_stale_temporaries(out: Path) -> None:
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        try:
+            pid = int(p.name.rsplit("-", 2)[-2])
+        except (ValueError, IndexError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _peak_cuda_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated())
+    except Exception:  # pragma: no cover - best effort
+        pass
+    return 0
+
+
+StageBody = Callable[[Path], "dict | None"]
+
+
+def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], body: StageBody,
+              force: bool = False) -> Artifact:
+    """Run ``body(tmp_dir)`` unless ``out`` already holds this exact artifact; return the artifact.
+
+    ``body`` writes the payload files into ``tmp_dir`` and may return extra metrics.
+    """
+    out = Path(out)
+    key = cache_key(kind, config, inputs)
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise QerlError(f"output path {out} exists and is not a directory.")
+        existing = out / names.MANIFEST
+        if existing.is_file():
+            try:
+                manifest = read_manifest(out)
+            except QerlError:
+                manifest = None
+            if manifest is not None and not force and manifest[names.K_KEY] == key:
+                problem = verify_files(out, manifest)
+                if problem is None:
+                    ui.info(f"[green]{kind}[/]: {out} is up to date (cached); nothing to do. Use --force to recompute.")
+                    return Artifact(out, manifest)
+                raise QerlError(f"{out} holds this {kind} artifact but {problem}; rerun with --force to recompute it.")
+            if not force:
+                what = f"a different '{manifest[names.K_KIND]}' artifact" if manifest else "an unreadable artifact"
+                raise QerlError(f"{out} already holds {what}; pass --force to replace it or choose another output.")
+        elif any(out.iterdir()):
+            raise QerlError(f"{out} is a non-empty directory that is not a qerl artifact; choose another output.")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_temporaries(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+        except Exception:  # pragma: no cover
+            pass
+        t0 = time.perf_counter()
+        extra = body(tmp) or {}
+        wall = time.perf_counter() - t0
+        files = _list_files(tmp)
+        metrics = {
+            "wall_s": round(wall, 4),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_cuda_bytes": _peak_cuda_bytes(),
+            **extra,
+        }
+        manifest = {
+            names.K_SCHEMA: names.SCHEMA,
+            names.K_KIND: kind,
+            names.K_VERSION: __version__,
+            names.K_CREATED: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            names.K_CONFIG: config,
+            names.K_INPUTS: [i.as_dict() for i in inputs],
+            names.K_FILES: files,
+            names.K_KEY: key,
+            names.K_DIGEST: _digest(key, files),
+            names.K_METRICS: metrics,
+        }
+        (tmp / names.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Artifact(out, manifest)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+

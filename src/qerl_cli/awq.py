@@ -1,0 +1,416 @@
+"""Activation-aware (AWQ) scale and clip search under the NVFP4 quantizer: pure math, no I/O.
+
+One *smoothing group* is a set of linears that read the same input ``x [T, K]`` (q/k/v after
+``input_layernorm``; gate/up after ``post_attention_layernorm``; o after v; down after up). A per-input-channel
+scale ``s [K]`` is folded into the group: the op producing ``x`` is divided by ``s`` (:func:`fold_into_norm`,
+:func:`fold_into_linear_output`) and every consuming weight's input columns are multiplied by ``s``
+(:func:`apply_scales_to_weights`), so the float function is unchanged while the 4-bit rounding error moves away
+from the channels with large activations.
+
+The search runs under exactly the quantizer of ``quantize`` (:mod:`qerl_cli.nvfp4`), including the one tensor
+scale ``G`` shared by a fused set, recomputed from the *scaled* weights for every candidate.
+
+Error of a candidate (one number per group, fp32 math, accumulated in fp64)::
+
+    err = sum_i || (x / s) @ Q(W_i * s)^T - x @ W_i^T ||^2 / (T * sum_i N_i)
+
+computed as ``|| (x / s) @ (Q(W_i * s) - W_i * s)^T ||^2``, which is the same quantity in exact arithmetic
+(``x @ W^T == (x / s) @ (W * s)^T``) without the cancellation of two large fp32 products and with one matmul
+instead of two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from . import nvfp4
+
+#: Lower clamp of ``mean|x| ** alpha`` before normalization (as llm-awq / AutoAWQ), so a dead channel
+#: (mean |x| == 0) never gives a zero or infinite scale.
+SCALE_FLOOR = 1e-4
+#: Tokens per matmul chunk when accumulating the error (bounds temporary memory at ``chunk * N`` floats).
+ERROR_CHUNK_TOKENS = 2048
+
+
+def _default_clip_ratios() -> tuple[float, ...]:
+    # 1.0, 0.975, ..., 0.75 (11 ratios), computed from integers so the values are exact decimals.
+    return tuple(1.0 - i / 40 for i in range(11))
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """Search settings.
+
+    ``n_grid``: alpha takes the values ``{0, 1/n_grid, ..., (n_grid-1)/n_grid}`` (alpha = 0 is plain RTN).
+    ``clip_search``: also search a clipping ratio after the scales.
+    ``clip_ratios``: candidate ratios in (0, 1]; 1.0 (no clipping) is always evaluated as the baseline.
+    ``clip_granularity``: ``"tensor"`` (one ratio per linear) or ``"row"`` (one per output row; exact, since
+        each output row's error depends only on that row's block scales).
+    ``max_tokens``: tokens used for the *error* evaluation (a fixed-seed random subset, sorted); ``None`` = all.
+        Activation statistics always use every token.
+    ``seed``: seed of that subset.
+    """
+
+    n_grid: int = 20
+    clip_search: bool = True
+    clip_ratios: tuple[float, ...] = field(default_factory=_default_clip_ratios)
+    clip_granularity: str = "tensor"
+    max_tokens: int | None = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_grid, bool) or not isinstance(self.n_grid, int):
+            raise ValueError(f"n_grid must be an integer >= 1, got {self.n_grid!r}")
+        if self.n_grid < 1:
+            raise ValueError(f"n_grid must be >= 1 (alpha grid {{0, 1/n, ..., (n-1)/n}}), got {self.n_grid}")
+        ratios = tuple(self.clip_ratios)
+        if len(ratios) == 0:
+            raise ValueError("clip_ratios must not be empty")
+        for r in ratios:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 < r <= 1.0:
+                raise ValueError(f"clip ratios must lie in (0, 1], got {r!r}")
+        object.__setattr__(self, "clip_ratios", tuple(float(r) for r in ratios))
+        if self.clip_granularity not in ("tensor", "row"):
+            raise ValueError(f"clip_granularity must be 'tensor' or 'row', got {self.clip_granularity!r}")
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def alphas(self) -> list[float]:
+        return [i / self.n_grid for i in range(self.n_grid)]
+
+
+@dataclass
+class ScaleResult:
+    """Outcome of :func:`search_scales` for one smoothing group.
+
+    ``scales`` is fp32 ``[K]`` (all exactly 1.0 when ``alpha == 0``); errors are mean squared output errors
+    (see module doc); ``error_rtn`` is the alpha = 0 (plain NVFP4 round-to-nearest) error; ``ref_power`` is
+    ``mean((x @ W^T)^2)`` over the same tokens, to turn errors into relative ones; ``global_scale`` is the
+    shared NVFP4 tensor scale of the chosen scaled weights.
+    """
+
+    alpha: float
+    scales: torch.Tensor
+    error: float
+    error_rtn: float
+    alphas: list[float]
+    errors: list[float]
+    ref_power: float
+    global_scale: torch.Tensor
+    n_tokens: int
+
+    def to_dict(self) -> dict:
+        """JSON-friendly summary (without the scale tensor)."""
+        return {"alpha": self.alpha, "error": self.error, "error_rtn": self.error_rtn,
+                "alphas": list(self.alphas), "errors": list(self.errors), "ref_power": self.ref_power,
+                "global_scale": float(self.global_scale.item()), "n_tokens": self.n_tokens}
+
+
+@dataclass
+class ClipResult:
+    """Outcome of :func:`search_clip` for one smoothing group (weights already scaled by ``scales``).
+
+    ``ratios[i]`` is a float for ``clip_granularity == "tensor"`` or an fp32 ``[N_i]`` tensor for ``"row"``
+    (pass it as-is to :func:`clipped_quantize_weight`). ``error`` <= ``error_unclipped`` always.
+    ``curve`` maps each candidate ratio to the group error when every member uses it.
+    """
+
+    ratios: list
+    error: float
+    error_unclipped: float
+    curve: dict[float, float]
+    n_tokens: int
+
+    def to_dict(self) -> dict:
+        ratios = [r if isinstance(r, float) else r.tolist() for r in self.ratios]
+        return {"ratios": ratios, "error": self.error, "error_unclipped": self.error_unclipped,
+                "curve": {str(k): v for k, v in self.curve.items()}, "n_tokens": self.n_tokens}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _check_x(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"expected activations [T, K], got shape {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError("no activation tokens")
+    x = x.float()
+    if not torch.isfinite(x).all():
+        raise ValueError("activations hold NaN or infinite values")
+    return x
+
+
+def _check_weights(weights: Sequence[torch.Tensor], k: int, device: torch.device) -> list[torch.Tensor]:
+    if len(weights) == 0:
+        raise ValueError("a smoothing group needs at least one weight")
+    out = []
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != k:
+            raise ValueError(f"weight {i} has shape {tuple(w.shape)}, expected [N, {k}]")
+        if k % nvfp4.GROUP_SIZE:
+            raise ValueError(f"input dimension {k} is not a multiple of {nvfp4.GROUP_SIZE}")
+        w = w.to(device=device, dtype=torch.float32)
+        if not torch.isfinite(w).all():
+            raise ValueError(f"weight {i} holds NaN or infinite values")
+        out.append(w)
+    return out
+
+
+def _check_scales(s: torch.Tensor, k: int) -> torch.Tensor:
+    if s.dim() != 1 or s.shape[0] != k:
+        raise ValueError(f"scales must have shape [{k}], got {tuple(s.shape)}")
+    s = s.float()
+    if not torch.isfinite(s).all() or not (s > 0).all():
+        raise ValueError("scales must be finite and > 0")
+    return s
+
+
+def subsample_tokens(x: torch.Tensor, max_tokens: int | None, seed: int = 0) -> torch.Tensor:
+    """Deterministic subset of rows of ``x``: all rows if ``T <= max_tokens``, else a fixed-seed random
+    choice of ``max_tokens`` rows kept in their original order (random, not strided, so it cannot alias
+    with the sequence length of packed calibration batches)."""
+    t = x.shape[0]
+    if max_tokens is None or t <= max_tokens:
+        return x
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    idx = torch.randperm(t, generator=g)[:max_tokens].sort().values
+    return x[idx.to(x.device)]
+
+
+def _row_sse(xs: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Per-output-row sum over tokens of ``(xs @ delta^T)^2``: fp64 ``[N]``."""
+    acc = torch.zeros(delta.shape[0], dtype=torch.float64, device=xs.device)
+    for start in range(0, xs.shape[0], ERROR_CHUNK_TOKENS):
+        y = xs[start:start + ERROR_CHUNK_TOKENS] @ delta.t()
+        acc += y.double().square().sum(dim=0)
+    return acc
+
+
+def _group_sse(xs: torch.Tensor, scaled: list[torch.Tensor], quantized: list[torch.Tensor]) -> float:
+    return sum(float(_row_sse(xs, q - w).sum()) for w, q in zip(scaled, quantized))
+
+
+# ----------------------------------------------------------------------------------------------- public
+
+
+def activation_stats(x: torch.Tensor) -> torch.Tensor:
+    """Per-input-channel mean |x| over all tokens, fp32 ``[K]`` (x may be bf16; ``[..., K]`` is flattened)."""
+    if x.dim() < 2:
+        raise ValueError(f"expected activations [..., K], got shape {tuple(x.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        raise ValueError("no activation tokens")
+    return x2.float().abs().mean(dim=0)
+
+
+def scales_from_stats(stats: torch.Tensor, alpha: float) -> torch.Tensor:
+    """AWQ scale ``s = clamp(stats ** alpha, 1e-4)``, normalized by ``sqrt(max(s) * min(s))``; fp32 ``[K]``.
+    ``alpha == 0`` gives exactly ones."""
+    stats = stats.float()
+    if alpha == 0:
+        return torch.ones_like(stats)
+    s = stats.clamp(min=0).pow(alpha).clamp(min=SCALE_FLOOR)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def apply_scales_to_weights(weights: Sequence[torch.Tensor], s: torch.Tensor) -> list[torch.Tensor]:
+    """Consuming linears' input columns times ``s``: ``W_i * s`` (column-wise), fp32."""
+    s = s.float()
+    return [w.to(device=s.device, dtype=torch.float32) * s for w in weights]
+
+
+def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Preceding RMSNorm weight divided by ``s`` (fp32 ``[K]``). For a norm of the form ``x_hat * w`` (Llama,
+    Qwen, Mistral), not ``x_hat * (1 + w)`` (Gemma). Also right for the bias of a preceding linear."""
+    if norm_weight.shape != s.shape:
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} != scales shape {tuple(s.shape)}")
+    return norm_weight.float() / s.float()
+
+
+def fold_into_linear_output(prev_weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Preceding linear's output rows divided by ``s``: ``prev_weight [K, K_in] / s[:, None]``, fp32.
+    Valid when the path from that linear to the consumer is linear and elementwise in those channels
+    (v -> attention -> o with one value channel per o column; up -> act(gate) * up -> down). A bias of the
+    preceding linear must be divided too (:func:`fold_into_norm`)."""
+    if prev_weight.dim() != 2 or prev_weight.shape[0] != s.shape[0]:
+        raise ValueError(f"previous weight shape {tuple(prev_weight.shape)} has no {s.shape[0]} output rows")
+    return prev_weight.float() / s.float().unsqueeze(1)
+
+
+def clipped_block_scales(weight: torch.Tensor, gscale: torch.Tensor,
+                         ratio: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """e4m3 block scales ``[N, K/16]`` from ``ratio * amax_block``: ``e4m3(min(G * (r * amax) / 6, 448))``,
+    0 replaced by 0.125. ``ratio`` is a float or a per-row ``[N]`` tensor. ``ratio == 1`` is
+    :func:`qerl_cli.nvfp4.block_scales` bit for bit (same operations in the same order)."""
+    amax = nvfp4.block_amax(weight)
+    if isinstance(ratio, torch.Tensor):
+        r = ratio.to(device=amax.device, dtype=torch.float32)
+        if r.dim() == 0:
+            r = r.reshape(1, 1)
+        elif r.dim() == 1 and r.shape[0] == amax.shape[0]:
+            r = r.unsqueeze(1)
+        else:
+            raise ValueError(f"ratio tensor must be a scalar or [{amax.shape[0]}], got {tuple(r.shape)}")
+        if not torch.isfinite(r).all() or not ((r > 0) & (r <= 1)).all():
+            raise ValueError("clip ratios must lie in (0, 1]")
+        amax = amax * r
+    else:
+        if not 0.0 < float(ratio) <= 1.0:
+            raise ValueError(f"clip ratio must lie in (0, 1], got {ratio!r}")
+        if float(ratio) != 1.0:
+            amax = amax * float(ratio)
+    s = (gscale.float() * (amax / nvfp4.E2M1_MAX)).clamp(max=nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)
+    zero = s.float() == 0
+    if zero.any():
+        s = torch.where(zero, torch.tensor(nvfp4.ZERO_SCALE_REPLACEMENT).to(torch.float8_e4m3fn), s)
+    return s
+
+
+def clipped_quantize_weight(weight: torch.Tensor, gscale: torch.Tensor | None = None,
+                            ratio: float | torch.Tensor = 1.0) -> dict[str, torch.Tensor]:
+    """:func:`qerl_cli.nvfp4.quantize_weight` with block scales from ``ratio * amax`` (codes clamp to ±6, so
+    values above the shrunk range saturate). Same dict (``weight_packed``, ``weight_scale``,
+    ``weight_global_scale``); identical bytes for ``ratio == 1``. ``gscale`` is not clipped: it stays the
+    fused set's ``448 * 6 / amax``."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight holds NaN or infinite values")
+    if gscale is None:
+        gscale = nvfp4.global_scale(weight.float().abs().amax())
+    scales = clipped_block_scales(weight, gscale, ratio)
+    codes = nvfp4.quantize_codes(weight, scales, gscale)
+    return {"weight_packed": nvfp4.pack_nibbles(codes), "weight_scale": scales,
+            "weight_global_scale": gscale.float().reshape(1).clone()}
+
+
+def clipped_fake_quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None,
+                          ratio: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Quantize with :func:`clipped_quantize_weight` and dequantize (fp32); equals
+    :func:`qerl_cli.nvfp4.fake_quantize` for ``ratio == 1``."""
+    q = clipped_quantize_weight(weight, gscale, ratio)
+    return nvfp4.dequantize(nvfp4.unpack_nibbles(q["weight_packed"]), q["weight_scale"], q["weight_global_scale"])
+
+
+def group_error(x: torch.Tensor, weights: Sequence[torch.Tensor], s: torch.Tensor | None = None,
+                ratios: Sequence[float | torch.Tensor] | None = None) -> float:
+    """Mean squared output error of a group under NVFP4 (no subsampling: pass the tokens you want):
+    ``sum_i ||(x/s) @ Q_r(W_i*s)^T - x @ W_i^T||^2 / (T * sum N_i)`` with one shared global scale from the
+    scaled set. ``s=None`` and ``ratios=None`` is plain round-to-nearest (the quantizer of ``quantize``)."""
+    x = _check_x(x)
+    ws = _check_weights(weights, x.shape[1], x.device)
+    if s is None:
+        scaled, xs = ws, x
+    else:
+        s = _check_scales(s.to(x.device), x.shape[1])
+        scaled, xs = apply_scales_to_weights(ws, s), x / s
+    g = nvfp4.fused_global_scale(scaled)
+    if ratios is None:
+        ratios = [1.0] * len(scaled)
+    if len(ratios) != len(scaled):
+        raise ValueError(f"{len(ratios)} clip ratios for {len(scaled)} weights")
+    quant = [clipped_fake_quantize(w, g, r) for w, r in zip(scaled, ratios)]
+    denom = x.shape[0] * sum(w.shape[0] for w in ws)
+    return _group_sse(xs, scaled, quant) / denom
+
+
+def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], cfg: AWQConfig | None = None,
+                  stats: torch.Tensor | None = None) -> ScaleResult:
+    """Grid-search alpha for one smoothing group. ``x [T, K]`` is the group's input (any float dtype),
+    ``weights`` its consumers ``[N_i, K]`` that share one NVFP4 global scale. ``stats`` (mean |x| per channel)
+    may be passed when accumulated over more tokens than ``x`` holds; by default it is computed from all of
+    ``x``. The error uses ``cfg.max_tokens`` tokens. Ties keep the smaller alpha (so RTN wins a tie)."""
+    cfg = cfg or AWQConfig()
+    x = _check_x(x)
+    k = x.shape[1]
+    ws = _check_weights(weights, k, x.device)
+    if stats is None:
+        stats = activation_stats(x)
+    else:
+        if stats.shape != (k,):
+            raise ValueError(f"stats must have shape [{k}], got {tuple(stats.shape)}")
+        stats = stats.to(device=x.device, dtype=torch.float32)
+        if not torch.isfinite(stats).all() or (stats < 0).any():
+            raise ValueError("stats must be finite and >= 0")
+    xe = subsample_tokens(x, cfg.max_tokens, cfg.seed)
+    denom = xe.shape[0] * sum(w.shape[0] for w in ws)
+
+    best = None
+    errors: list[float] = []
+    alphas = cfg.alphas
+    for alpha in alphas:
+        s = scales_from_stats(stats, alpha)
+        scaled = apply_scales_to_weights(ws, s)
+        g = nvfp4.fused_global_scale(scaled)
+        quant = [nvfp4.fake_quantize(w, g) for w in scaled]
+        xs = xe if alpha == 0 else xe / s
+        err = _group_sse(xs, scaled, quant) / denom
+        if not math.isfinite(err):
+            err = math.inf
+        errors.append(err)
+        if best is None or err < best[0]:
+            best = (err, alpha, s, g)
+
+    ref_power = sum(float(_row_sse(xe, w).sum()) for w in ws) / denom
+    err, alpha, s, g = best
+    return ScaleResult(alpha=alpha, scales=s, error=err, error_rtn=errors[0], alphas=alphas, errors=errors,
+                       ref_power=ref_power, global_scale=g, n_tokens=xe.shape[0])
+
+
+def search_clip(x: torch.Tensor, weights: Sequence[torch.Tensor], scales: torch.Tensor | None = None,
+                cfg: AWQConfig | None = None) -> ClipResult:
+    """Search the clipping ratio of each member of a group, given the AWQ ``scales`` (``None`` = no scaling).
+    The weights are the *original* ones; the search quantizes ``W_i * s`` with the shared global scale of the
+    scaled set (unchanged by clipping) and block scales from ``r * amax``, minimizing the same output error as
+    :func:`search_scales`. With the global scale fixed, member errors (and row errors) are independent, so the
+    per-member (per-row) choice is the exact minimizer of the group error. Ratio 1.0 is always a candidate
+    and wins ties, so the result is never worse than no clipping."""
+    cfg = cfg or AWQConfig()
+    x = _check_x(x)
+    k = x.shape[1]
+    ws = _check_weights(weights, k, x.device)
+    xe = subsample_tokens(x, cfg.max_tokens, cfg.seed)
+    if scales is None:
+        scaled, xs = ws, xe
+    else:
+        s = _check_scales(scales.to(x.device), k)
+        scaled, xs = apply_scales_to_weights(ws, s), xe / s
+    g = nvfp4.fused_global_scale(scaled)
+    denom = xe.shape[0] * sum(w.shape[0] for w in ws)
+    cands = [1.0] + [r for r in dict.fromkeys(cfg.clip_ratios) if r != 1.0]
+
+    # row_err[i]: [len(cands), N_i] fp64 squared error per output row for each candidate ratio.
+    row_err = []
+    for w in scaled:
+        rows = [_row_sse(xs, clipped_fake_quantize(w, g, r) - w) for r in cands]
+        row_err.append(torch.stack(rows))
+    curve = {r: sum(float(e[j].sum()) for e in row_err) / denom for j, r in enumerate(cands)}
+
+    ratios: list = []
+    total = 0.0
+    for e in row_err:
+        if cfg.clip_granularity == "tensor":
+            tot = e.sum(dim=1)
+            j = 0
+            for jj in range(1, len(cands)):  # strict improvement only: ties keep the earlier (1.0 first)
+                if tot[jj] < tot[j]:
+                    j = jj
+            ratios.append(cands[j])
+            total += float(tot[j])
+        else:
+            # argmin over candidates per row; torch.argmin returns the first minimum, i.e. 1.0 on a tie.
+            j = torch.argmin(e, dim=0)
+            cand_t = torch.tensor(cands, dtype=torch.float32, device=e.device)
+            ratios.append(cand_t[j])
+            total += float(e.gather(0, j.unsqueeze(0)).sum())
+    return ClipResult(ratios=ratios, error=total / denom, error_unclipped=curve[1.0], curve=curve,
+                      n_tokens=xe.shape[0])

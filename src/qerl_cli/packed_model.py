@@ -1,0 +1,131 @@
+"""Models built from artifacts: the packed NVFP4 model, and the dequantized reference it is checked against."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from . import layout, names, nvfp4
+from .artifact import Artifact
+from .errors import QerlError
+
+
+def _matmul_backend():
+    try:
+        from . import kernel
+    except ImportError:  # the kernel wrapper is optional; the layout's reference is always there
+        return None
+    return kernel
+
+
+class PackedLinear(torch.nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` held in the packed NVFP4 layout (9/16 byte per weight).
+
+    Uses the CUDA kernel on CUDA tensors and the pure-torch reference (dequantize, fp32 matmul) elsewhere.
+    The packed weight is a frozen buffer: gradients flow to the input only.
+    """
+
+    def __init__(self, qweight: torch.Tensor, global_scale: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if qweight.dtype != torch.uint8 or qweight.shape[-1] != layout.RECORD_BYTES:
+            raise QerlError(f"packed weight must be uint8 [..., {layout.RECORD_BYTES}], got {qweight.dtype} {tuple(qweight.shape)}.")
+        if layout.padded_shape(out_features, in_features) != (qweight.shape[0] * layout.TILE_N, qweight.shape[1] * layout.TILE_K):
+            raise QerlError(f"packed weight of shape {tuple(qweight.shape)} cannot hold a [{out_features}, {in_features}] matrix.")
+        self.out_features = out_features
+        self.in_features = in_features
+        self.register_buffer(names.PK_QWEIGHT, qweight)
+        self.register_buffer(names.PK_GLOBAL, global_scale.float().reshape(1))
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 packed"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = _matmul_backend()
+        if backend is not None:
+            y = backend.linear(x, self.qweight, self.global_scale, self.out_features, self.in_features)
+        else:
+            y = layout.reference_matmul(x, self.qweight, self.global_scale, self.out_features, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return layout.dequantize(self.qweight, self.global_scale, self.out_features, self.in_features, dtype)
+
+
+def _skeleton(art_dir: Path, dtype: torch.dtype):
+    """An uninitialised model of the artifact's architecture (weights are loaded over it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf_dict = json.loads((art_dir / names.MODEL_CONFIG).read_text())
+    conf_dict.pop("quantization_config", None)
+    model_type = conf_dict.pop("model_type", None)
+    if model_type is None:
+        raise QerlError(f"{art_dir / names.MODEL_CONFIG} has no model_type.")
+    conf = AutoConfig.for_model(model_type, **conf_dict)
+    model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+    return model.eval()
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _load_rest(model, tensors: dict[str, torch.Tensor], skip: set[str], dtype: torch.dtype, where: Path) -> None:
+    rest = {k: v.to(dtype) for k, v in tensors.items() if k not in skip}
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    unexpected = [k for k in unexpected if k not in skip]
+    if unexpected:
+        raise QerlError(f"{where} holds tensors the model does not have, e.g. {unexpected[0]}.")
+    real_missing = [k for k in missing if not any(k.startswith(s.rsplit(".", 1)[0] + ".") for s in skip)]
+    real_missing = [k for k in real_missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if real_missing:
+        raise QerlError(f"{where} lacks tensors the model needs, e.g. {real_missing[0]}.")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
+def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """The model of a ``packed`` artifact with every quantized Linear replaced by :class:`PackedLinear`."""
+    index = json.loads(art.file(names.PACKED_INDEX).read_text())
+    if index.get("layout") != layout.LAYOUT_NAME:
+        raise QerlError(f"{art.path} uses packed layout '{index.get('layout')}'; this qerl reads {layout.LAYOUT_NAME}.")
+    tensors = load_file(str(art.file(names.MODEL_WEIGHTS)))
+    model = _skeleton(art.path, dtype)
+    skip = set()
+    for name, info in index["linears"].items():
+        qk, gk = f"{name}.{names.PK_QWEIGHT}", f"{name}.{names.PK_GLOBAL}"
+        if qk not in tensors or gk not in tensors:
+            raise QerlError(f"{art.path} lacks the packed tensors of {name}.")
+        bias = tensors.get(f"{name}.bias")
+        _set_module(model, name, PackedLinear(tensors[qk], tensors[gk], info["out_features"], info["in_features"],
+                                              None if bias is None else bias.to(dtype)))
+        skip.update({qk, gk, f"{name}.bias"})
+    _load_rest(model, tensors, skip, dtype, art.path)
+    return model.to(device)
+
+
+def load_dequantized_model(tensors: dict[str, torch.Tensor], art_dir: Path, dtype: torch.dtype = torch.float32,
+                           device: str | torch.device = "cpu"):
+    """A plain model whose Linear weights are the quant checkpoint's NVFP4 values, dequantized (the reference)."""
+    model = _skeleton(art_dir, dtype)
+    skip = set()
+    for key in tensors:
+        if key.endswith("." + names.CT_PACKED):
+            name = key[: -len(names.CT_PACKED) - 1]
+            w = nvfp4.dequantize(nvfp4.unpack_nibbles(tensors[key]), tensors[f"{name}.{names.CT_SCALE}"],
+                                 tensors[f"{name}.{names.CT_GLOBAL}"], dtype)
+            mod = model.get_submodule(name)
+            if tuple(mod.weight.shape) != tuple(w.shape):
+                raise QerlError(f"{name} has shape {tuple(w.shape)} in the checkpoint but {tuple(mod.weight.shape)} in the model config.")
+            with torch.no_grad():
+                mod.weight.copy_(w)
+            skip.update({key, f"{name}.{names.CT_SCALE}", f"{name}.{names.CT_GLOBAL}"})
+    _load_rest(model, {k: v for k, v in tensors.items()}, skip, dtype, art_dir)
+    return model.to(device)

@@ -1,0 +1,305 @@
+"""Tests of the AWQ-under-NVFP4 math (src/qerl_cli/awq.py): small hand-made cases, CPU, fast."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qerl_cli import awq, nvfp4
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _outlier_case(seed: int = 0, t: int = 256, k: int = 64, outlier: int = 5, mag: float = 40.0):
+    """Activations with one channel ``mag`` times larger than the rest; a q/k/v-like fused set."""
+    g = _gen(seed)
+    x = torch.randn(t, k, generator=g)
+    x[:, outlier] *= mag
+    weights = [torch.randn(n, k, generator=g) * 0.05 for n in (32, 16, 16)]
+    return x, weights
+
+
+def _direct_rtn_error(x, weights):
+    """The brief's formula, written out independently: one shared G, nvfp4.fake_quantize, output MSE."""
+    g = nvfp4.fused_global_scale(weights)
+    sse = sum(float(((x @ nvfp4.fake_quantize(w, g).t()) - x @ w.t()).double().square().sum()) for w in weights)
+    return sse / (x.shape[0] * sum(w.shape[0] for w in weights))
+
+
+def _direct_error(x, weights, s, ratios=None):
+    """Brief's formula with scales (and clip ratios): (x/s) @ Q(W*s)^T - x @ W^T."""
+    scaled = [w * s for w in weights]
+    g = nvfp4.fused_global_scale(scaled)
+    ratios = ratios or [1.0] * len(weights)
+    sse = 0.0
+    for w, ws, r in zip(weights, scaled, ratios):
+        q = awq.clipped_fake_quantize(ws, g, r)
+        sse += float(((x / s) @ q.t() - x @ w.t()).double().square().sum())
+    return sse / (x.shape[0] * sum(w.shape[0] for w in weights))
+
+
+# ----------------------------------------------------------------------------------------------- stats
+
+
+def test_activation_stats_mean_abs_fp32_and_bf16():
+    x = torch.tensor([[1.0, -2.0, 0.0], [-3.0, 2.0, 0.0]])
+    s = awq.activation_stats(x)
+    assert s.dtype == torch.float32
+    assert torch.equal(s, torch.tensor([2.0, 2.0, 0.0]))
+    s16 = awq.activation_stats(x.bfloat16())
+    assert s16.dtype == torch.float32 and torch.equal(s16, s)
+    # [B, L, K] is flattened over tokens
+    assert torch.equal(awq.activation_stats(x.reshape(1, 2, 3)), s)
+
+
+def test_scales_normalization_and_dead_channel():
+    stats = torch.tensor([4.0, 1.0, 0.25, 0.0])
+    s = awq.scales_from_stats(stats, 0.5)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    # sqrt(max * min) == 1 after normalization
+    assert math.isclose(float(s.max() * s.min()), 1.0, rel_tol=1e-5)
+    assert int(s.argmax()) == 0 and int(s.argmin()) == 3  # dead channel clamped, not zero
+    assert torch.equal(awq.scales_from_stats(stats, 0.0), torch.ones(4))
+
+
+# ----------------------------------------------------------------------------------------------- search
+
+
+def test_outlier_channel_gets_largest_scale_and_awq_beats_rtn():
+    x, weights = _outlier_case()
+    res = awq.search_scales(x, weights, awq.AWQConfig(clip_search=False))
+    assert res.alpha > 0
+    assert int(res.scales.argmax()) == 5
+    assert res.scales.dtype == torch.float32 and res.scales.shape == (64,)
+    assert res.error < res.error_rtn  # strictly better than round-to-nearest
+    assert res.error == min(res.errors) and res.errors[0] == res.error_rtn
+    assert len(res.errors) == 20 and res.alphas[0] == 0.0 and res.alphas[-1] == 0.95
+    # the reported error is the brief's formula (same quantity, computed without cancellation)
+    assert math.isclose(res.error, _direct_error(x, weights, res.scales), rel_tol=1e-4)
+    assert math.isclose(res.error, awq.group_error(x, weights, res.scales), rel_tol=1e-9)
+    # the shared global scale is the one of the scaled set
+    assert torch.equal(res.global_scale, nvfp4.fused_global_scale([w * res.scales for w in weights]))
+
+
+def test_alpha_zero_is_exactly_round_to_nearest():
+    x, weights = _outlier_case(seed=1)
+    res = awq.search_scales(x, weights, awq.AWQConfig(n_grid=1))
+    assert res.alphas == [0.0] and res.alpha == 0.0
+    assert torch.equal(res.scales, torch.ones(64))
+    assert res.error == res.error_rtn
+    assert res.error_rtn == awq.group_error(x, weights)  # bit-equal with the shared helper
+    assert math.isclose(res.error_rtn, _direct_rtn_error(x, weights), rel_tol=1e-4)
+    # the same RTN error is alpha=0 of a full search
+    full = awq.search_scales(x, weights)
+    assert full.error_rtn == res.error_rtn and full.error <= full.error_rtn
+
+
+def test_alpha_ties_keep_the_smaller_alpha():
+    # every channel has mean |x| == 1, so every alpha gives s == 1 exactly: all errors tie, alpha 0 must win
+    g = _gen(9)
+    x = torch.where(torch.rand(64, 32, generator=g) > 0.5, 1.0, -1.0)
+    weights = [torch.randn(16, 32, generator=g)]
+    res = awq.search_scales(x, weights, awq.AWQConfig(n_grid=5))
+    assert len(set(res.errors)) == 1
+    assert res.alpha == 0.0 and torch.equal(res.scales, torch.ones(32))
+
+
+def test_block_scales_ratio_one_bit_exact_on_many_blocks():
+    g = _gen(11)
+    w = torch.randn(512, 256, generator=g) * torch.rand(512, 1, generator=g) ** 4  # widely varying block amax
+    gs = nvfp4.global_scale(w.abs().amax())
+    a = awq.clipped_block_scales(w, gs, 1.0).view(torch.uint8)
+    assert torch.equal(a, nvfp4.block_scales(w, gs).view(torch.uint8))
+    assert torch.equal(awq.clipped_block_scales(w, gs, torch.ones(512)).view(torch.uint8), a)
+
+
+def test_search_is_deterministic_and_accepts_bf16():
+    x, weights = _outlier_case(seed=2)
+    xb = x.bfloat16()
+    a = awq.search_scales(xb, [w.bfloat16() for w in weights])
+    b = awq.search_scales(xb.float(), [w.bfloat16().float() for w in weights])
+    assert a.alpha == b.alpha and a.errors == b.errors and torch.equal(a.scales, b.scales)
+
+
+def test_token_subsampling_is_deterministic():
+    x, weights = _outlier_case(seed=3, t=300)
+    cfg = awq.AWQConfig(max_tokens=100, n_grid=4)
+    a, b = awq.search_scales(x, weights, cfg), awq.search_scales(x, weights, cfg)
+    assert a.n_tokens == 100 and a.errors == b.errors
+    sub = awq.subsample_tokens(x, 100, 0)
+    assert sub.shape == (100, 64) and torch.equal(sub, awq.subsample_tokens(x, 100, 0))
+    assert a.error_rtn == awq.group_error(sub, weights)
+    # statistics still use every token
+    assert torch.equal(a.scales, awq.scales_from_stats(awq.activation_stats(x), a.alpha))
+
+
+def test_search_rejects_bad_shapes():
+    x, weights = _outlier_case()
+    with pytest.raises(ValueError, match="expected"):
+        awq.search_scales(x, [torch.zeros(4, 48)])
+    with pytest.raises(ValueError, match="at least one"):
+        awq.search_scales(x, [])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        awq.search_scales(torch.ones(4, 8), [torch.ones(2, 8)])
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        awq.search_scales(bad, weights)
+
+
+# ----------------------------------------------------------------------------------------------- folding
+
+
+def test_fold_into_norm_keeps_function():
+    g = _gen(4)
+    x_hat = torch.randn(32, 64, generator=g)  # normalized hidden state
+    norm_w = 1 + 0.1 * torch.randn(64, generator=g)
+    weights = [torch.randn(n, 64, generator=g) for n in (32, 16)]
+    s = awq.scales_from_stats(torch.rand(64, generator=g) * 10, 0.5)
+    new_norm = awq.fold_into_norm(norm_w, s)
+    for w, ws in zip(weights, awq.apply_scales_to_weights(weights, s)):
+        torch.testing.assert_close((x_hat * new_norm) @ ws.t(), (x_hat * norm_w) @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_fold_into_linear_output_keeps_function():
+    g = _gen(5)
+    h = torch.randn(32, 48, generator=g)
+    up = torch.randn(64, 48, generator=g) * 0.1
+    gate = torch.randn(64, 48, generator=g) * 0.1
+    down = torch.randn(48, 64, generator=g) * 0.1
+    s = awq.scales_from_stats(torch.rand(64, generator=g) * 10, 0.7)
+    (down_s,) = awq.apply_scales_to_weights([down], s)
+    up_s = awq.fold_into_linear_output(up, s)
+    act = torch.nn.functional.silu(h @ gate.t())
+    torch.testing.assert_close((act * (h @ up_s.t())) @ down_s.t(), (act * (h @ up.t())) @ down.t(),
+                               rtol=1e-5, atol=1e-5)
+    # plain v -> o (one value channel per o column), with a bias on v
+    v, bv, o = torch.randn(64, 48, generator=g), torch.randn(64, generator=g), torch.randn(48, 64, generator=g)
+    (o_s,) = awq.apply_scales_to_weights([o], s)
+    out = (h @ awq.fold_into_linear_output(v, s).t() + awq.fold_into_norm(bv, s)) @ o_s.t()
+    torch.testing.assert_close(out, (h @ v.t() + bv) @ o.t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError):
+        awq.fold_into_linear_output(v, s[:32])
+
+
+# ----------------------------------------------------------------------------------------------- clipping
+
+
+def _assert_same_q(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        assert torch.equal(a[key].view(torch.uint8) if a[key].dtype == torch.float8_e4m3fn else a[key],
+                           b[key].view(torch.uint8) if b[key].dtype == torch.float8_e4m3fn else b[key]), key
+
+
+def test_clip_ratio_one_is_nvfp4_byte_for_byte():
+    # DESIGN §3 test vector
+    w = torch.tensor([[0.02 * i * (-1) ** i for i in range(32)]], dtype=torch.bfloat16)
+    q = awq.clipped_quantize_weight(w, ratio=1.0)
+    assert q["weight_packed"].numpy().tobytes().hex() == "90a2c3d4d5e6f6f7d5e5e6e6e6f7f7f7"
+    _assert_same_q(q, nvfp4.quantize_weight(w))
+    g = _gen(6)
+    ws = [torch.randn(24, 64, generator=g) * 0.03, torch.randn(8, 64, generator=g)]
+    ws[0][3, 16:32] = 0.0  # an all-zero block (scale replaced by 0.125)
+    ws[1][2, 5] = -40.0  # an outlier
+    shared = nvfp4.fused_global_scale(ws)
+    for w in ws + [ws[0].bfloat16()]:
+        for gs in (None, shared):
+            _assert_same_q(awq.clipped_quantize_weight(w, gs, 1.0), nvfp4.quantize_weight(w, gs))
+            _assert_same_q(awq.clipped_quantize_weight(w, gs, torch.ones(w.shape[0])), nvfp4.quantize_weight(w, gs))
+            assert torch.equal(awq.clipped_fake_quantize(w, gs, 1.0), nvfp4.fake_quantize(w, gs))
+
+
+def test_clipped_block_scales_use_shrunk_amax_and_saturate():
+    g = _gen(7)
+    w = torch.randn(4, 32, generator=g)
+    gs = nvfp4.global_scale(w.abs().amax())
+    q = awq.clipped_quantize_weight(w, gs, 0.75)
+    expect = (gs * (nvfp4.block_amax(w) * 0.75 / 6)).clamp(max=448).to(torch.float8_e4m3fn)
+    assert torch.equal(q["weight_scale"].float(), expect.float())
+    assert torch.equal(q["weight_global_scale"], gs)
+    deq = awq.clipped_fake_quantize(w, gs, 0.75).reshape(4, 2, 16)
+    step = (q["weight_scale"].float() / gs).unsqueeze(-1)
+    assert (deq.abs() <= 6 * step * (1 + 1e-6)).all()
+    # per-row ratios: row i with ratio r_i is the tensor-ratio result on that row
+    rows = torch.tensor([1.0, 0.9, 0.8, 0.75])
+    per_row = awq.clipped_fake_quantize(w, gs, rows)
+    for i, r in enumerate(rows.tolist()):
+        assert torch.equal(per_row[i], awq.clipped_fake_quantize(w, gs, r)[i])
+    with pytest.raises(ValueError):
+        awq.clipped_quantize_weight(w, gs, 1.5)
+    with pytest.raises(ValueError):
+        awq.clipped_quantize_weight(w, gs, 0.0)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_clip_search_never_worse_than_no_clip(granularity):
+    cfg = awq.AWQConfig(clip_granularity=granularity)
+    for seed in range(3):
+        x, weights = _outlier_case(seed=10 + seed)
+        # heavy-tailed weights make clipping worth something
+        weights = [w * (1 + 5 * (torch.rand(w.shape, generator=_gen(seed)) > 0.98)) for w in weights]
+        res = awq.search_scales(x, weights, cfg)
+        clip = awq.search_clip(x, weights, res.scales, cfg)
+        assert clip.error <= clip.error_unclipped
+        assert clip.error_unclipped == awq.group_error(x, weights, res.scales)
+        assert math.isclose(clip.error_unclipped, res.error, rel_tol=1e-9)
+        assert clip.curve[1.0] == clip.error_unclipped and set(clip.curve) == set(cfg.clip_ratios)
+        # the chosen ratios reproduce the reported error under the brief's formula
+        assert math.isclose(clip.error, _direct_error(x, weights, res.scales, clip.ratios), rel_tol=1e-4)
+        if granularity == "tensor":
+            assert clip.error <= min(clip.curve.values())
+            assert all(isinstance(r, float) and 0.75 <= r <= 1.0 for r in clip.ratios)
+        else:
+            assert all(r.shape == (w.shape[0],) for r, w in zip(clip.ratios, weights))
+            assert clip.error <= min(clip.curve.values()) * (1 + 1e-12)
+
+
+def test_clip_search_ties_keep_ratio_one():
+    # weights already on the E2M1 grid with a block amax of exactly 6 * step: RTN is exact (error 0); ratio
+    # 0.9999 gives the same e4m3 block scales (448 * 0.9999 rounds back to 448), i.e. an exact tie, and 1.0
+    # must be kept; 0.9 and 0.95 lose.
+    g = _gen(8)
+    vals = torch.tensor(nvfp4.E2M1_MAGNITUDES)
+    w = vals[torch.randint(0, 8, (8, 32), generator=g)]
+    w[:, 0] = 6.0
+    w[:, 16] = 6.0
+    x = torch.randn(16, 32, generator=g)
+    assert awq.group_error(x, [w]) == 0.0
+    for gran in ("tensor", "row"):
+        clip = awq.search_clip(x, [w], None, awq.AWQConfig(clip_granularity=gran, clip_ratios=(0.9999, 0.9, 1.0, 0.95)))
+        assert clip.error == 0.0 and clip.curve[0.9999] == 0.0 and clip.curve[0.9] > 0.0
+        r = clip.ratios[0]
+        assert (r == 1.0) if isinstance(r, float) else torch.equal(r, torch.ones(8))
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def test_config_defaults():
+    cfg = awq.AWQConfig()
+    assert cfg.n_grid == 20 and cfg.clip_search is True
+    assert cfg.alphas == [i / 20 for i in range(20)]
+    assert cfg.clip_ratios[0] == 1.0 and cfg.clip_ratios[-1] == 0.75 and len(cfg.clip_ratios) == 11
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"n_grid": 0}, "n_grid"),
+    ({"n_grid": -3}, "n_grid"),
+    ({"n_grid": 2.5}, "n_grid"),
+    ({"clip_ratios": (1.0, 0.0)}, r"\(0, 1\]"),
+    ({"clip_ratios": (1.2,)}, r"\(0, 1\]"),
+    ({"clip_ratios": (-0.5,)}, r"\(0, 1\]"),
+    ({"clip_ratios": (float("nan"),)}, r"\(0, 1\]"),
+    ({"clip_ratios": ()}, "empty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"clip_granularity": "block"}, "clip_granularity"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        awq.AWQConfig(**kwargs)
