@@ -41,6 +41,36 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     pass
 
 
+@app.command("calibrate")
+def calibrate_cmd(
+    model: Annotated[str, typer.Argument(help="HF model directory, .gguf file, or 'smollm2-135m-instruct'.")],
+    output: Output,
+    data: Annotated[str, typer.Option("--data", help="Calibration text: a .jsonl/.json/.parquet/.txt file, or hf:NAME[:CONFIG].")],
+    samples: Annotated[Optional[int], typer.Option("--samples", help="Number of calibration sequences.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence.")] = None,
+    field: Annotated[Optional[str], typer.Option("--field", help="Text column(s), comma-separated, or 'messages' for chat rows.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the row order and error subset.")] = None,
+    config: ConfigFile = None,
+    force: Force = False,
+    progress: Progress = True,
+) -> None:
+    """Search activation-aware (AWQ) scales and clip ratios under the NVFP4 quantizer (a `calib` artifact).
+
+    Layer by layer: per smoothing group (input_layernorm -> q/k/v, v -> o, post_attention_layernorm ->
+    gate/up, up -> down) the scale exponent minimizing the group's output error after NVFP4 fake-quantization.
+
+    Examples:
+
+        qerl calibrate smollm2-135m-instruct --data ../shared/data/gsm8k/train.jsonl --field question,answer --samples 128 --seq-len 512 -o out/calib
+
+        qerl quantize smollm2-135m-instruct --calib out/calib -o out/quant-awq
+    """
+    from .calibrate import calibrate
+
+    calibrate(model, data, output, samples=samples, seq_len=seq_len, field=field, seed=seed, config_file=config,
+              force=force, progress=progress)
+
+
 @app.command("quantize")
 def quantize_cmd(
     model: Annotated[str, typer.Argument(help="HF model directory, .gguf file, or 'smollm2-135m-instruct'.")],

@@ -13,6 +13,7 @@ CALIB_REPORT = "calib.json"
 CALIB_SAMPLES = "samples.json"
 VERIFY_REPORT = "report.json"
 QUANT_REPORT = "quant.json"
+FOLDING = "awq_folding.safetensors"  # per folded module: the s its weight was divided by
 
 # Artifact kinds (one per stage, plus the source model as an input kind).
 KIND_MODEL = "model"

@@ -15,7 +15,7 @@ from . import artifact, config, layout, names, nvfp4, ui
 from .errors import QerlError
 
 LINEAGE_FILES = (names.MODEL_CONFIG, names.GENERATION_CONFIG, "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "special_tokens_map.json", names.QUANT_REPORT)
+                 "chat_template.jinja", "special_tokens_map.json", names.QUANT_REPORT, names.FOLDING)
 
 
 @dataclass

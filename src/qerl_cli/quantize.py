@@ -150,7 +150,8 @@ def quantize(model: str, output: str | Path, calib: str | Path | None = None, co
     if calib is not None:
         calib_art = artifact.open_artifact(calib, names.KIND_CALIB)
         inputs.append(calib_art.as_input(output))
-        if calib_art.config.get("model_digest") not in (None, inputs[0].digest):
+        calib_models = [i.get(names.K_DIGEST) for i in calib_art.inputs if i.get(names.K_KIND) == names.KIND_MODEL]
+        if calib_models and inputs[0].digest not in calib_models:
             raise QerlError(f"{calib} was calibrated on a different model than {model}.")
 
     def body(tmp: Path) -> dict:
@@ -161,7 +162,9 @@ def quantize(model: str, output: str | Path, calib: str | Path | None = None, co
         if calib_art is not None:
             from . import calibrate
 
-            clip, fold_report = calibrate.apply_calibration(net, calib_art)
+            clip, folds, fold_report = calibrate.apply_calibration(net, calib_art)
+            save_file({k: v.float().contiguous() for k, v in folds.items()}, str(tmp / names.FOLDING),
+                      metadata={"format": "pt", "meaning": "module weight was divided by this per-channel s"})
         tensors, report = quantize_state(net, cfg, clip, cfg.progress)
         save_file(tensors, str(tmp / names.MODEL_WEIGHTS), metadata={"format": "pt"})
         conf = modelio.config_dict(net)

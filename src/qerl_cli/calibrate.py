@@ -1,0 +1,319 @@
+"""``qerl calibrate``: activation-aware (AWQ) scales searched under the NVFP4 quantizer, layer by layer.
+
+For each decoder layer, one forward pass over the calibration tokens (in batches) captures the inputs of the
+four smoothing groups — ``input_layernorm → q/k/v``, ``v → o`` (only without grouped-query attention, where
+v's outputs map one-to-one onto o's inputs), ``post_attention_layernorm → gate/up``, ``up → down`` — as
+per-channel mean |x| over every token plus a fixed-seed token subset for the error. The search itself is
+:mod:`qerl_cli.awq` (pure math). Scales are folded in the same order by ``quantize --calib``; only one layer's
+activations are held at a time, plus the running hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.table import Table
+from safetensors.torch import load_file, save_file
+
+from . import artifact, awq, config, data, modelio, names, ui
+from .errors import QerlError
+
+
+@dataclass
+class CalibrateConfig:
+    samples: int
+    seq_len: int
+    field: str
+    split: str
+    seed: int
+    n_grid: int
+    clip_search: bool
+    clip_ratios: tuple[float, ...]
+    max_tokens: int
+    batch_size: int
+    progress: bool
+
+    def __post_init__(self):
+        problems = []
+        if self.samples < 1:
+            problems.append("samples must be >= 1")
+        if self.seq_len < 2:
+            problems.append("seq_len must be >= 2")
+        if self.batch_size < 1:
+            problems.append("batch_size must be >= 1")
+        if not self.field.strip():
+            problems.append("field must name a column")
+        try:
+            self.awq_config()
+        except ValueError as e:
+            problems.append(str(e))
+        config.validate(problems)
+
+    def awq_config(self) -> awq.AWQConfig:
+        return awq.AWQConfig(n_grid=self.n_grid, clip_search=self.clip_search, clip_ratios=self.clip_ratios,
+                             max_tokens=self.max_tokens, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A smoothing group: ``prev`` produces the input of ``linears`` (names relative to a decoder layer)."""
+
+    name: str
+    prev: str
+    prev_is_norm: bool
+    linears: tuple[str, ...]
+
+
+GROUPS = (
+    Group("qkv", "input_layernorm", True, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    Group("o", "self_attn.v_proj", False, ("self_attn.o_proj",)),
+    Group("gate_up", "post_attention_layernorm", True, ("mlp.gate_proj", "mlp.up_proj")),
+    Group("down", "mlp.up_proj", False, ("mlp.down_proj",)),
+)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise QerlError("calibrate supports decoder-only models with model.layers (Llama, Qwen2, Mistral, ...).")
+    return layers
+
+
+def active_groups(layer) -> list[Group]:
+    """The groups a layer supports (v → o only when v's outputs map one-to-one onto o's inputs)."""
+    out = []
+    for g in GROUPS:
+        try:
+            prev = layer.get_submodule(g.prev)
+            mods = [layer.get_submodule(n) for n in g.linears]
+        except AttributeError:
+            raise QerlError(f"calibrate needs Llama-style layers with {g.prev} and {', '.join(g.linears)}.") from None
+        if not g.prev_is_norm and prev.weight.shape[0] != mods[0].in_features:
+            continue  # grouped-query attention: v has fewer outputs than o has inputs
+        if not g.prev_is_norm and g.name == "o":
+            attn = layer.self_attn
+            heads = getattr(attn.config, "num_attention_heads", None)
+            kv = getattr(attn.config, "num_key_value_heads", heads)
+            if heads != kv:
+                continue
+        out.append(g)
+    return out
+
+
+def build_samples(records: data.Records, tokenizer, cfg: CalibrateConfig) -> tuple[torch.Tensor, dict]:
+    """``[samples, seq_len]`` token ids from rows in a seeded order, concatenated with eos between rows."""
+    if not records.rows:
+        raise QerlError(f"the calibration data {records.origin['spec']} hold no rows.")
+    fields = [f.strip() for f in cfg.field.split(",")]
+    order = list(range(len(records.rows)))
+    random.Random(cfg.seed).shuffle(order)
+    need = cfg.samples * cfg.seq_len
+    ids: list[int] = []
+    used, lengths = [], []
+    eos = tokenizer.eos_token_id
+    for i in order:
+        text = data.row_text(records.rows[i], fields, tokenizer)
+        toks = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not toks:
+            continue
+        ids.extend(toks + ([eos] if eos is not None else []))
+        used.append(i)
+        lengths.append(len(toks))
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise QerlError(f"the calibration data hold {len(ids)} tokens, fewer than {cfg.samples} sequences of "
+                        f"{cfg.seq_len} tokens need ({need}); lower --samples or --seq-len.")
+    tokens = torch.tensor(ids[:need]).reshape(cfg.samples, cfg.seq_len)
+    return tokens, {"row_indices": used, "row_token_lengths": lengths, "tokens": need}
+
+
+class _Capture:
+    """Per-channel sum |x| over all tokens plus the rows of a fixed token subset, for one linear's input."""
+
+    def __init__(self, keep: torch.Tensor):
+        self.keep = keep  # sorted global token indices to keep
+        self.abs_sum = None
+        self.count = 0
+        self.rows: list[torch.Tensor] = []
+        self.offset = 0
+
+    def __call__(self, module, args):
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+        s = x.abs().sum(0)
+        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        lo, hi = self.offset, self.offset + x.shape[0]
+        sel = self.keep[(self.keep >= lo) & (self.keep < hi)] - lo
+        if sel.numel():
+            self.rows.append(x[sel].clone())
+        self.count += x.shape[0]
+        self.offset = hi
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.rows), self.abs_sum / self.count
+
+
+def _run_layer(layer, hidden: torch.Tensor, rotary, batch_size: int) -> torch.Tensor:
+    out = torch.empty_like(hidden)
+    seq = hidden.shape[1]
+    pos = torch.arange(seq).unsqueeze(0)
+    for b in range(0, hidden.shape[0], batch_size):
+        h = hidden[b: b + batch_size]
+        pe = rotary(h, pos.expand(h.shape[0], -1))
+        r = layer(h, attention_mask=None, position_ids=pos.expand(h.shape[0], -1), position_embeddings=pe)
+        out[b: b + batch_size] = r[0] if isinstance(r, tuple) else r
+    return out
+
+
+def fold_group(layer, group: Group, s: torch.Tensor) -> None:
+    """Fold scales ``s`` into a layer in place: ``prev`` divided by s, consumers' input columns times s."""
+    with torch.no_grad():
+        prev = layer.get_submodule(group.prev)
+        if group.prev_is_norm:
+            prev.weight.copy_(awq.fold_into_norm(prev.weight, s).to(prev.weight.dtype))
+        else:
+            prev.weight.copy_(awq.fold_into_linear_output(prev.weight, s).to(prev.weight.dtype))
+            if prev.bias is not None:
+                prev.bias.copy_((prev.bias.float() / s).to(prev.bias.dtype))
+        for name in group.linears:
+            lin = layer.get_submodule(name)
+            lin.weight.copy_(awq.apply_scales_to_weights([lin.weight], s)[0].to(lin.weight.dtype))
+
+
+def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: CalibrateConfig
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict], dict[str, float]]:
+    """Search and fold one layer; returns (next hidden, scales per group, report rows, clip ratios)."""
+    groups = active_groups(layer)
+    captures = {g.name: _Capture(keep) for g in groups}
+    handles = [layer.get_submodule(g.linears[0]).register_forward_pre_hook(captures[g.name]) for g in groups]
+    try:
+        with torch.no_grad():
+            nxt = _run_layer(layer, hidden, rotary, cfg.batch_size)
+    finally:
+        for h in handles:
+            h.remove()
+    acfg = cfg.awq_config()
+    scales: dict[str, torch.Tensor] = {}
+    xs: dict[str, torch.Tensor] = {}
+    rows: list[dict] = []
+    for g in groups:  # scales, folded in order (a later group sees the earlier folds, as quantize applies them)
+        x, stats = captures[g.name].result()
+        weights = [layer.get_submodule(n).weight.detach().float() for n in g.linears]
+        res = awq.search_scales(x, weights, acfg, stats=stats)
+        fold_group(layer, g, res.scales)
+        scales[g.name] = res.scales
+        xs[g.name] = x
+        rows.append({"group": g.name, "alpha": res.alpha, "error_rtn": awq.group_error(
+            awq.subsample_tokens(x, acfg.max_tokens, acfg.seed), weights), "ref_power": res.ref_power})
+    clip: dict[str, float] = {}
+    for g, row in zip(groups, rows):  # clip ratios under the final (all folds applied) weights
+        x = awq.subsample_tokens(xs[g.name] / scales[g.name], acfg.max_tokens, acfg.seed)
+        weights = [layer.get_submodule(n).weight.detach().float() for n in g.linears]
+        ratios = [1.0] * len(weights)
+        if cfg.clip_search:
+            ratios = [float(r) for r in awq.search_clip(x, weights, None, acfg).ratios]
+        row["clip_ratios"] = dict(zip(g.linears, ratios))
+        row["error_awq"] = awq.group_error(x, weights, None, ratios)
+        for n, r in zip(g.linears, ratios):
+            clip[n] = r
+    return nxt, scales, rows, clip
+
+
+def calibrate(model: str, data_spec: str, output: str | Path, samples: int | None = None, seq_len: int | None = None,
+              field: str | None = None, seed: int | None = None, config_file: str | Path | None = None,
+              force: bool = False, progress: bool = True) -> artifact.Artifact:
+    """Search AWQ scales (and clip ratios) for MODEL on calibration text; write a ``calib`` artifact."""
+    output = Path(output)
+    cfg = config.load("calibrate", CalibrateConfig, config_file,
+                      {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress})
+    source = modelio.resolve(model)
+    records = data.load_records(data_spec, cfg.split)
+    data_input = artifact.Input("data", data_spec, records.origin.get("sha256") or
+                                artifact.sha256_json(records.origin))
+    inputs = [source.as_input(), data_input]
+
+    def body(tmp: Path) -> dict:
+        with ui.status(f"loading {model}", cfg.progress):
+            net, tokenizer = modelio.load(source, torch.float32)
+        tokens, sample_info = build_samples(records, tokenizer, cfg)
+        layers = decoder_layers(net)
+        total = tokens.numel()
+        g = torch.Generator().manual_seed(cfg.seed)
+        keep = torch.randperm(total, generator=g)[: min(cfg.max_tokens, total)].sort().values
+        with torch.no_grad():
+            hidden = net.model.embed_tokens(tokens).float()
+        rotary = net.model.rotary_emb
+        all_scales: dict[str, torch.Tensor] = {}
+        report: list[dict] = []
+        clip: dict[str, float] = {}
+        for i in ui.track(range(len(layers)), "calibrating layers", total=len(layers), enabled=cfg.progress):
+            prefix = f"model.layers.{i}"
+            hidden, scales, rows, layer_clip = search_layer(layers[i], hidden, rotary, keep, cfg)
+            for gname, s in scales.items():
+                all_scales[f"{prefix}.{gname}"] = s.contiguous()
+            for r in rows:
+                report.append({"layer": i, **r, "clip_ratios": {f"{prefix}.{k}": v for k, v in r["clip_ratios"].items()}})
+            clip.update({f"{prefix}.{k}": v for k, v in layer_clip.items()})
+            if not torch.isfinite(hidden).all():
+                raise QerlError(f"layer {i} produced NaN or infinite activations on the calibration data.")
+        save_file(all_scales, str(tmp / names.CALIB_SCALES), metadata={"format": "pt"})
+        (tmp / names.CALIB_REPORT).write_text(json.dumps({"groups": report, "clip_ratios": clip}, indent=1) + "\n")
+        (tmp / names.CALIB_SAMPLES).write_text(json.dumps(
+            {"data": records.origin, "field": cfg.field, "seed": cfg.seed, "samples": cfg.samples,
+             "seq_len": cfg.seq_len, "chat_shaped": cfg.field == "messages", **sample_info}, indent=1) + "\n")
+        modelio.write_lineage(tmp, modelio.config_dict(net), tokenizer, net.generation_config)
+        by_type: dict[str, list[tuple[float, float]]] = {}
+        for r in report:
+            by_type.setdefault(r["group"], []).append((r["error_rtn"], r["error_awq"]))
+        return {"groups": len(report), "mean_error_rtn": {k: sum(a for a, _ in v) / len(v) for k, v in by_type.items()},
+                "mean_error_awq": {k: sum(b for _, b in v) / len(v) for k, v in by_type.items()}}
+
+    art = artifact.run_stage(names.KIND_CALIB, output, config.as_dict(cfg), inputs, body, force=force)
+    print_summary(json.loads(art.file(names.CALIB_REPORT).read_text()))
+    return art
+
+
+def print_summary(report: dict) -> None:
+    t = Table(title="qerl calibrate — output MSE per group (RTN vs AWQ, relative to output power)")
+    for c in ("layer", "group", "alpha", "clip", "RTN rel. err", "AWQ rel. err", "gain"):
+        t.add_column(c, justify="right")
+    for r in report["groups"]:
+        p = max(r["ref_power"], 1e-30)
+        clips = ",".join(f"{v:g}" for v in r["clip_ratios"].values())
+        gain = r["error_rtn"] / r["error_awq"] if r["error_awq"] > 0 else float("inf")
+        t.add_row(str(r["layer"]), r["group"], f"{r['alpha']:.2f}", clips, f"{r['error_rtn'] / p:.3e}",
+                  f"{r['error_awq'] / p:.3e}", f"{gain:.2f}x")
+    ui.out.print(t)
+
+
+def apply_calibration(model, calib: artifact.Artifact) -> tuple[dict[str, float], dict[str, torch.Tensor], dict]:
+    """Fold a calib artifact's scales into ``model`` (float function unchanged); return (clip ratios per
+    linear, folding factors per folded module, summary). The folding factor ``s`` of a norm means its weight
+    was divided by ``s`` — what AQN perturbs downstream is that folded weight."""
+    scales = load_file(str(calib.file(names.CALIB_SCALES)))
+    report = json.loads(calib.file(names.CALIB_REPORT).read_text())
+    layers = decoder_layers(model)
+    folds: dict[str, torch.Tensor] = {}
+    for key, s in scales.items():
+        prefix, _, gname = key.rpartition(".")
+        try:
+            i = int(prefix.rsplit(".", 1)[-1])
+            layer = layers[i]
+        except (ValueError, IndexError):
+            raise QerlError(f"{calib.path} has scales for {key}, which this model does not have.") from None
+        group = next((g for g in GROUPS if g.name == gname), None)
+        if group is None:
+            raise QerlError(f"{calib.path} has scales of an unknown group '{gname}'.")
+        if s.shape != (layer.get_submodule(group.linears[0]).in_features,) or not torch.isfinite(s).all():
+            raise QerlError(f"{calib.path} holds scales {key} of the wrong shape or with NaNs for this model.")
+    for i, layer in enumerate(layers):  # same order as the search
+        for g in GROUPS:
+            s = scales.get(f"model.layers.{i}.{g.name}")
+            if s is not None:
+                fold_group(layer, g, s)
+                folds[f"model.layers.{i}.{g.prev}"] = s
+    return report["clip_ratios"], folds, {"groups": len(scales)}

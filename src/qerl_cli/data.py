@@ -1,0 +1,92 @@
+"""Reading text records: local jsonl / json / parquet / txt files, or a HF dataset name (through ``datasets``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .artifact import sha256_file
+from .errors import QerlError
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+
+
+@dataclass
+class Records:
+    """Rows of a data source plus where they came from (recorded in manifests)."""
+
+    rows: list[dict]
+    origin: dict  # {"type": "file"|"hf", "spec": ..., "sha256"/"revision": ..., "split": ...}
+
+
+def load_records(spec: str, split: str = "train") -> Records:
+    """Load rows from ``spec``: a local file, or ``hf:NAME[:CONFIG]`` / a bare HF dataset name."""
+    p = Path(spec)
+    if p.suffix.lower() in LOCAL_SUFFIXES or p.exists():
+        return _load_local(p)
+    name = spec[3:] if spec.startswith("hf:") else spec
+    if "/" not in name and not spec.startswith("hf:"):
+        raise QerlError(f"data file {spec} does not exist (give a .jsonl/.json/.parquet/.txt file or hf:NAME).")
+    try:
+        import datasets
+    except ImportError:
+        raise QerlError(f"loading the HF dataset '{name}' needs the datasets package: pip install datasets") from None
+    ds_name, _, cfg_name = name.partition(":")
+    try:
+        ds = datasets.load_dataset(ds_name, cfg_name or None, split=split)
+    except Exception as e:  # datasets raises many types; the user needs the reason, not the traceback
+        raise QerlError(f"could not load HF dataset '{name}' split '{split}': {str(e).splitlines()[0]}") from None
+    rows = [dict(r) for r in ds]
+    return Records(rows, {"type": "hf", "spec": name, "split": split,
+                          "fingerprint": getattr(ds, "_fingerprint", None)})
+
+
+def _load_local(p: Path) -> Records:
+    if not p.is_file():
+        raise QerlError(f"data file {p} does not exist.")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            rows = []
+            with open(p, encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except ValueError:
+                            raise QerlError(f"{p} line {i + 1} is not valid JSON.") from None
+        elif suffix == ".json":
+            data = json.loads(p.read_text(encoding="utf-8"))
+            rows = data if isinstance(data, list) else data.get("data", data.get("rows"))
+            if not isinstance(rows, list):
+                raise QerlError(f"{p} holds neither a JSON list nor an object with a 'data' list.")
+        elif suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise QerlError("reading parquet needs pyarrow: pip install pyarrow") from None
+            rows = pq.read_table(p).to_pylist()
+        else:
+            text = p.read_text(encoding="utf-8")
+            rows = [{"text": t} for t in text.split("\n\n") if t.strip()]
+    except UnicodeDecodeError:
+        raise QerlError(f"{p} is not UTF-8 text.") from None
+    if any(not isinstance(r, dict) for r in rows):
+        raise QerlError(f"{p} has rows that are not JSON objects.")
+    return Records(rows, {"type": "file", "spec": str(p), "sha256": sha256_file(p)})
+
+
+def row_text(row: dict, fields: list[str], tokenizer=None) -> str:
+    """Text of one row: chat-shaped rows (``messages``) through the chat template, else the fields joined."""
+    msgs = row.get("messages")
+    if fields == ["messages"] or (isinstance(msgs, list) and fields == ["text"] and "text" not in row):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise QerlError("chat-shaped data needs a model with a chat template.")
+        return tokenizer.apply_chat_template(msgs, tokenize=False)
+    parts = []
+    for f in fields:
+        if f not in row:
+            raise QerlError(f"field '{f}' is not in the data (fields: {sorted(row)[:8]}).")
+        parts.append(str(row[f]))
+    return "\n".join(parts)

@@ -1,0 +1,71 @@
+"""Shared fixtures: a tiny random Llama saved as a HF directory (SmolLM2's tokenizer), built once per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from qerl_cli import modelio
+
+    from transformers import AutoTokenizer
+
+    g = modelio.embedded_gguf()
+    return AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+
+
+def build_tiny_llama(path: Path, tokenizer, seed: int = 0, hidden: int = 64, intermediate: int = 128,
+                     layers: int = 2, heads: int = 4, kv_heads: int = 2, dtype=torch.bfloat16) -> Path:
+    """Save a random Llama with SmolLM2's tokenizer and chat template as a HF model directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qerl_cli import modelio
+
+    torch.manual_seed(seed)
+    conf = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(conf).to(dtype)
+    with torch.no_grad():  # norms away from 1 so folding and noise have something to act on
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    modelio.fix_special_tokens(model, tokenizer)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", smollm2_tokenizer)
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the real ``qerl`` CLI in a subprocess (same interpreter)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "qerl_cli.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
