@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -138,6 +139,10 @@ def verify_cmd(
     art = verify(packed, output, against=against, config_file=config, force=force, progress=progress)
     if not art.metrics.get("passed", False):
         raise typer.Exit(1)
+
+
+# Third-party tqdm bars (GGUF conversion, weight loading) would interleave with ours: rich draws the progress.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _on_sigterm(signum, frame):  # turn a polite kill into an exception so temporaries are cleaned up

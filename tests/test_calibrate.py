@@ -1,0 +1,124 @@
+"""calibrate: the stage on a tiny model, folding exactness, and bad data specs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SHARED_DATA, run_cli
+from qerl_cli import artifact, calibrate, modelio, names, pack, quantize, verify
+from qerl_cli.errors import QerlError
+
+GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def calib_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("calib") / "calib"
+    calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), out, samples=6, seq_len=48, field="question,answer",
+                        progress=False)
+    return out
+
+
+def test_calib_artifact_contents(calib_dir, tiny_model_dir):
+    art = artifact.open_artifact(calib_dir, names.KIND_CALIB)
+    files = sorted(f["path"] for f in art.manifest["files"])
+    assert files == sorted([names.CALIB_SCALES, names.CALIB_REPORT, names.CALIB_SAMPLES, names.MODEL_CONFIG,
+                            names.GENERATION_CONFIG, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+    samples = json.loads(art.file(names.CALIB_SAMPLES).read_text())
+    assert samples["data"]["sha256"] == artifact.sha256_file(GSM8K_TRAIN)
+    assert samples["samples"] == 6 and samples["seq_len"] == 48 and samples["tokens"] == 288
+    assert len(samples["row_indices"]) == len(samples["row_token_lengths"]) >= 1
+    assert sum(samples["row_token_lengths"]) + len(samples["row_indices"]) >= 288  # + eos per row
+    scales = load_file(str(art.file(names.CALIB_SCALES)))
+    # tiny model: 4 heads / 2 KV heads (GQA) -> v->o is skipped; qkv, gate_up, down per layer
+    assert sorted(scales) == sorted(f"model.layers.{i}.{g}" for i in range(2) for g in ("qkv", "gate_up", "down"))
+    assert scales["model.layers.0.qkv"].shape == (64,) and scales["model.layers.0.down"].shape == (128,)
+    report = json.loads(art.file(names.CALIB_REPORT).read_text())
+    for r in report["groups"]:
+        assert r["error_awq"] <= r["error_rtn"] * (1 + 1e-6)  # alpha = 0 and ratio 1.0 are always candidates
+    kinds = [i["kind"] for i in art.inputs]
+    assert kinds == [names.KIND_MODEL, "data"]
+
+
+def test_folding_keeps_float_model(calib_dir, tiny_model_dir):
+    src = modelio.resolve(str(tiny_model_dir))
+    ref, _ = modelio.load(src, torch.float32)
+    net, _ = modelio.load(src, torch.float32)
+    clip, folds, _ = calibrate.apply_calibration(net, artifact.open_artifact(calib_dir, names.KIND_CALIB))
+    ids = torch.randint(0, 5000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids).logits, net(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    # the folds really changed the weights (otherwise this test proves nothing)
+    assert not torch.equal(ref.model.layers[0].input_layernorm.weight, net.model.layers[0].input_layernorm.weight)
+    assert set(folds) == {f"model.layers.{i}.{p}" for i in range(2)
+                          for p in ("input_layernorm", "post_attention_layernorm", "mlp.up_proj")}
+    assert all(0 < r <= 1 for r in clip.values())
+
+
+def test_layerwise_forward_matches_model(tiny_model_dir):
+    net, _ = modelio.load(modelio.resolve(str(tiny_model_dir)), torch.float32)
+    ids = torch.randint(0, 5000, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = net.model.embed_tokens(ids)
+        for layer in net.model.layers:
+            h = calibrate._run_layer(layer, h, net.model.rotary_emb, batch_size=2)
+        ref = net(ids, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(net.model.norm(h), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_awq_pipeline_end_to_end(calib_dir, tiny_model_dir, tmp_path):
+    q = quantize.quantize(str(tiny_model_dir), tmp_path / "quant", calib=calib_dir, progress=False)
+    assert q.config["method"] == "awq"
+    assert {i["kind"] for i in q.inputs} == {names.KIND_MODEL, names.KIND_CALIB}
+    assert names.FOLDING in {f["path"] for f in q.manifest["files"]}
+    folds = load_file(str(q.file(names.FOLDING)))
+    assert "model.layers.1.input_layernorm" in folds
+    p = pack.pack(tmp_path / "quant", tmp_path / "packed", progress=False)
+    assert names.FOLDING in {f["path"] for f in p.manifest["files"]}  # AQN downstream needs the factors
+    v = verify.verify(tmp_path / "packed", tmp_path / "verify", progress=False)
+    assert v.metrics["passed"] is True
+    # AWQ changed the checkpoint relative to round-to-nearest
+    rtn = quantize.quantize(str(tiny_model_dir), tmp_path / "quant-rtn", progress=False)
+    a = load_file(str(q.file(names.MODEL_WEIGHTS)))
+    b = load_file(str(rtn.file(names.MODEL_WEIGHTS)))
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight_packed"], b["model.layers.0.self_attn.q_proj.weight_packed"])
+
+
+def test_calibrate_cached(calib_dir, tiny_model_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(calibrate, "search_layer", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError))
+    art = calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), calib_dir, samples=6, seq_len=48,
+                              field="question,answer", progress=False)
+    assert calls == [] and art.kind == names.KIND_CALIB
+    with pytest.raises(QerlError, match="different"):
+        calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), calib_dir, samples=5, seq_len=48,
+                            field="question,answer", progress=False)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "field", "short"])
+def test_bad_data_specs(case, tiny_model_dir, tmp_path):
+    data = {"missing": str(tmp_path / "nope.jsonl"), "field": str(GSM8K_TRAIN), "short": str(GSM8K_TRAIN)}
+    args = ["--samples", "4", "--seq-len", "32", "--field", "question,answer"]
+    if case == "empty":
+        (tmp_path / "empty.jsonl").write_text("")
+        data["empty"] = str(tmp_path / "empty.jsonl")
+    if case == "field":
+        args[-1] = "prompt"
+    if case == "short":
+        small = tmp_path / "small.jsonl"
+        small.write_text(GSM8K_TRAIN.read_text().splitlines()[0] + "\n")
+        data["short"] = str(small)
+    out = tmp_path / "calib"
+    r = run_cli("calibrate", str(tiny_model_dir), "--data", data[case], *args, "-o", str(out), "--no-progress")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    expected = {"missing": "does not exist", "empty": "no rows", "field": "field 'prompt'", "short": "fewer than"}
+    assert expected[case] in " ".join(r.stderr.split())
+    assert not out.exists()
+    assert not list(tmp_path.glob(".calib.tmp-*"))
