@@ -145,6 +145,44 @@ def verify_cmd(
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 
+@app.command("rollout")
+def rollout_cmd(
+    source: Annotated[str, typer.Argument(help="packed artifact (NVFP4), or a model (HF dir, .gguf, 'smollm2-135m-instruct') for the bf16 baseline.")],
+    output: Output,
+    prompts: Annotated[str, typer.Option("--prompts", help="jsonl/json/parquet with question+answer (rewards) or prompt fields, or arith:N.")],
+    group: Annotated[Optional[int], typer.Option("--group", "-G", help="Completions per prompt.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Token limit per completion.")] = None,
+    adapter: Annotated[Optional[Path], typer.Option("--adapter", help="LoRA adapter directory (PEFT format).")] = None,
+    sigma: Annotated[Optional[float], typer.Option("--sigma", help="AQN noise std on the RMSNorm scales (0 = off).")] = None,
+    noise_scope: Annotated[Optional[str], typer.Option("--noise-scope", help="'batch' or 'group'.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling and noise seed.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy.")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", help="Use the first N prompts (0 = all).")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="'ours', 'hf' (transformers generate, reference) or 'vllm'.")] = "ours",
+    verify_dir: Annotated[Optional[Path], typer.Option("--verify", help="verify artifact of the pack (default: PACKED/../verify).")] = None,
+    skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Sample from an unverified pack (recorded).")] = False,
+    config: ConfigFile = None,
+    force: Force = False,
+    progress: Progress = True,
+) -> None:
+    """Sample G completions per prompt with AQN, recording tokens, masks and behaviour log-probs (a `rollout` artifact).
+
+    Examples:
+
+        qerl rollout out/packed --prompts arith:64 --group 8 --max-new-tokens 64 --sigma 0.01 -o out/rollout
+
+        qerl rollout smollm2-135m-instruct --prompts ../shared/data/gsm8k/test.jsonl --num-prompts 16 -G 4 -o out/rollout-bf16
+    """
+    from .rollout import rollout
+
+    rollout(source, prompts, output, group=group, max_new_tokens=max_new_tokens, adapter=adapter, sigma=sigma,
+            seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, num_prompts=num_prompts,
+            noise_scope=noise_scope, engine=engine, verify_dir=verify_dir, skip_verify=skip_verify,
+            config_file=config, force=force, progress=progress)
+
+
 def _on_sigterm(signum, frame):  # turn a polite kill into an exception so temporaries are cleaned up
     raise KeyboardInterrupt
 

@@ -13,6 +13,9 @@ CALIB_REPORT = "calib.json"
 CALIB_SAMPLES = "samples.json"
 VERIFY_REPORT = "report.json"
 QUANT_REPORT = "quant.json"
+ROLLOUT_TENSORS = "rollout.safetensors"
+ROLLOUT_SAMPLES = "samples.jsonl"
+ROLLOUT_META = "rollout.json"
 FOLDING = "awq_folding.safetensors"  # per folded module: the s its weight was divided by
 
 # Artifact kinds (one per stage, plus the source model as an input kind).
@@ -21,6 +24,7 @@ KIND_CALIB = "calib"
 KIND_QUANT = "quant"
 KIND_PACKED = "packed"
 KIND_VERIFY = "verify"
+KIND_ROLLOUT = "rollout"
 
 # Manifest keys.
 K_SCHEMA = "schema"

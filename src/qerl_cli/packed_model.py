@@ -40,19 +40,28 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer(names.PK_QWEIGHT, qweight)
         self.register_buffer(names.PK_GLOBAL, global_scale.float().reshape(1))
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self._dense: torch.Tensor | None = None  # CPU only: dequantized weight cache
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 packed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = _matmul_backend()
+        backend = _matmul_backend() if x.is_cuda else None
         if backend is not None:
             y = backend.linear(x, self.qweight, self.global_scale, self.out_features, self.in_features)
         else:
-            y = layout.reference_matmul(x, self.qweight, self.global_scale, self.out_features, self.in_features)
+            # CPU (tests, CI): the pure-torch reference, with the dequantized weight cached after first use —
+            # exactly the reference's values, computed once instead of per call.
+            if self._dense is None or self._dense.dtype != x.dtype:
+                self._dense = self.dequantized_weight(torch.float32).to(x.dtype)
+            y = (x @ self._dense.t()) if x.dtype == torch.float32 else (x.float() @ self._dense.float().t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _apply(self, fn, recurse=True):  # .to()/.cuda() invalidate the CPU cache
+        self._dense = None
+        return super()._apply(fn, recurse)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return layout.dequantize(self.qweight, self.global_scale, self.out_features, self.in_features, dtype)

@@ -1,0 +1,399 @@
+"""Our rollout engine: batched prefill, a preallocated KV cache, a decode loop (one CUDA graph per step on
+GPU, eager on CPU), temperature / top-k / top-p sampling with recorded behaviour log-probs, LoRA next to the
+(packed or bf16) base, and Adaptive Quantization Noise on the RMSNorm scales.
+
+The engine runs on the modules of a HF Llama-family model (``model.model.layers``): their linears may be
+:class:`~qerl_cli.packed_model.PackedLinear` (NVFP4) or plain ``nn.Linear`` (bf16 baseline), so every backend
+shares this one code path. It never modifies the model: norm weights are read into a clean snapshot and
+the noisy copies live in the engine (``effective_norm_weights``), LoRA factors are applied as two small
+matmuls beside each base linear and swapped with :meth:`Engine.set_adapter`.
+
+Behaviour log-probs: for each sampled token, the log-prob under the distribution it was **actually sampled
+from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
+log-prob under the untruncated tempered softmax is stored too (``tempered_logprobs``); both are equal when
+top-k = 0 and top-p = 1. Greedy decoding (temperature 0) records 0.0 (a deterministic policy).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .errors import QerlError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+    def __post_init__(self):
+        problems = []
+        if self.temperature < 0:
+            problems.append("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            problems.append("top_k must be >= 0")
+        if self.max_new_tokens < 1:
+            problems.append("max_new_tokens must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class NoiseState:
+    """One AQN draw: z ~ N(0, sigma^2) added to the clean RMSNorm scales (never accumulated)."""
+
+    sigma: float = 0.0
+    seed: int = 0
+    scope: str = "batch"  # "batch": one draw for the whole batch; "group": one draw per prompt group
+    targets: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    draws: int = 0  # how many draws this engine has made (each from the clean snapshot)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+
+@dataclass
+class RolloutBatch:
+    """What one ``generate`` call produced; tensors on CPU. Rows are prompt-major: row = prompt * G + sample."""
+
+    prompt_ids: list[list[int]]
+    group: int
+    completion_ids: torch.Tensor  # [R, T] int64 (pad after the end)
+    completion_mask: torch.Tensor  # [R, T] bool: tokens the policy generated (eos included)
+    behaviour_logprobs: torch.Tensor  # [R, T] fp32, 0 where masked
+    tempered_logprobs: torch.Tensor  # [R, T] fp32
+    finish_reason: list[str]  # "eos" | "length"
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(1)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dt = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class LoRA:
+    """LoRA factors per linear: ``y += scaling * (x @ A^T) @ B^T``; a plain container, swapped as a whole."""
+
+    def __init__(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, digest: str = ""):
+        self.factors = factors
+        self.scaling = scaling
+        self.digest = digest
+
+    def to(self, device, dtype) -> "LoRA":
+        return LoRA({k: (a.to(device, dtype), b.to(device, dtype)) for k, (a, b) in self.factors.items()},
+                    self.scaling, self.digest)
+
+
+class Engine:
+    def __init__(self, model, device: str | torch.device | None = None, cuda_graph: bool = True):
+        mt = getattr(model.config, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise QerlError(f"the rollout engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not '{mt}'.")
+        self.model = model.eval()
+        p = next(model.parameters())
+        self.device = torch.device(device) if device is not None else p.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        c = model.config
+        self.n_heads = c.num_attention_heads
+        self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
+        self.eps = c.rms_norm_eps
+        self.layers = list(model.model.layers)
+        self.embed = model.model.embed_tokens
+        self.final_norm = model.model.norm.weight.detach()
+        self.lm_head = model.lm_head
+        self.rotary = model.model.rotary_emb
+        self.clean = [{t: getattr(layer, t).weight.detach().clone() for t in NoiseState.targets}
+                      for layer in self.layers]
+        self.noise = NoiseState()
+        self._noisy: list[dict[str, torch.Tensor]] | None = None  # [H] or [R, 1, H] per layer and target
+        self.lora: LoRA | None = None
+        self.use_graph = cuda_graph and self.device.type == "cuda"
+        self._graph = None
+        self._eos: set[int] = set()
+
+    # ---------------------------------------------------------------- adapters and noise
+    def set_adapter(self, lora: LoRA | None) -> None:
+        """Use ``lora`` (or none) from the next forward on; the base weights are never touched."""
+        if lora is not None:
+            names = {n for n, m in self.model.named_modules()}
+            unknown = [k for k in lora.factors if k not in names]
+            if unknown:
+                raise QerlError(f"the adapter targets {unknown[0]}, which this model does not have.")
+            lora = lora.to(self.device, self.dtype)
+        self.lora = lora
+        self._graph = None
+
+    def set_noise(self, sigma: float, seed: int, scope: str = "batch", groups: int = 1, group_size: int = 1) -> NoiseState:
+        """Draw AQN noise from the clean snapshot (replacing any previous draw). ``scope='group'`` draws one
+        vector per prompt group; rows of a group share it."""
+        if sigma < 0 or not math.isfinite(sigma):
+            raise QerlError(f"the noise sigma must be a finite number >= 0, got {sigma}.")
+        if scope not in ("batch", "group"):
+            raise QerlError(f"noise scope must be 'batch' or 'group', got '{scope}'.")
+        self.noise = NoiseState(sigma=sigma, seed=seed, scope=scope, draws=self.noise.draws + (sigma > 0))
+        self._graph = None
+        if sigma == 0:
+            self._noisy = None
+            return self.noise
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        noisy = []
+        for clean in self.clean:
+            d = {}
+            for t, w in clean.items():
+                shape = (groups,) + tuple(w.shape) if scope == "group" else tuple(w.shape)
+                z = torch.randn(shape, generator=g, dtype=torch.float32) * sigma
+                v = (w.float().cpu() + z).to(self.device, w.dtype)
+                if scope == "group":
+                    v = v.repeat_interleave(group_size, dim=0).unsqueeze(1)  # [R, 1, H]
+                d[t] = v
+            noisy.append(d)
+        self._noisy = noisy
+        return self.noise
+
+    def effective_norm_weights(self) -> list[dict[str, torch.Tensor]]:
+        """The norm scales the next forward uses (clean snapshot, or the current noisy draw)."""
+        return self._noisy if self._noisy is not None else self.clean
+
+    # ---------------------------------------------------------------- forward
+    def _linear(self, module, name: str, x: torch.Tensor) -> torch.Tensor:
+        y = module(x)
+        if self.lora is not None:
+            f = self.lora.factors.get(name)
+            if f is not None:
+                a, b = f
+                y = y + (x @ a.t()) @ b.t() * self.lora.scaling
+        return y
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, key_mask: torch.Tensor,
+                cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, write_at: torch.Tensor | None = None,
+                rows: slice | None = None) -> torch.Tensor:
+        """Logits ``[B, T, V]`` for tokens ``ids [B, T]`` at positions ``pos``. Without a cache, attention is
+        causal over ``ids`` with ``key_mask [B, T]``; with a cache, K/V are written at ``write_at`` (T slots
+        from there) and queries attend to every cache slot allowed by ``key_mask [B, S]`` and causality."""
+        b, t = ids.shape
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        norms = self.effective_norm_weights()
+        if cache is None:
+            s_len, base = t, torch.zeros((), dtype=torch.long, device=ids.device)
+        else:
+            s_len, base = cache[0][0].shape[2], write_at
+        slots = torch.arange(s_len, device=ids.device)
+        qpos = base + torch.arange(t, device=ids.device)
+        causal = slots[None, :] <= qpos[:, None]
+        # every query also sees its own slot: a left-padding query would otherwise see nothing (NaN); real
+        # queries see their own slot anyway
+        mask = (causal[None, None] & key_mask[:, None, None, :]) | (slots[None, :] == qpos[:, None])[None, None]
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            nw = norms[i]
+            w_in = nw["input_layernorm"]
+            w_post = nw["post_attention_layernorm"]
+            if rows is not None and w_in.dim() == 3:
+                w_in, w_post = w_in[rows], w_post[rows]
+            attn = layer.self_attn
+            x = _rms_norm(h, w_in, self.eps)
+            q = self._linear(attn.q_proj, pre + "self_attn.q_proj", x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            k = self._linear(attn.k_proj, pre + "self_attn.k_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            v = self._linear(attn.v_proj, pre + "self_attn.v_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if cache is not None:
+                kc, vc = cache[i]
+                idx = write_at + torch.arange(t, device=ids.device)
+                kc.index_copy_(2, idx, k.to(kc.dtype))
+                vc.index_copy_(2, idx, v.to(vc.dtype))
+                k, v = kc, vc
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+            h = h + self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
+            x = _rms_norm(h, w_post, self.eps)
+            mlp = layer.mlp
+            g = self._linear(mlp.gate_proj, pre + "mlp.gate_proj", x)
+            u = self._linear(mlp.up_proj, pre + "mlp.up_proj", x)
+            h = h + self._linear(mlp.down_proj, pre + "mlp.down_proj", F.silu(g) * u)
+        h = _rms_norm(h, self.final_norm, self.eps)
+        return self.lm_head(h)
+
+    # ---------------------------------------------------------------- sampling
+    def _new_cache(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (rows, self.n_kv, slots, self.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
+
+    def _decoder(self, cache, key_mask: torch.Tensor, rows: int):
+        """A function ``(tokens [R], pos [R, 1], write_at) -> logits [R, V] fp32``: a CUDA graph on GPU."""
+
+        def step(tok, pos, write_at):
+            return self.forward(tok.view(-1, 1), pos, key_mask, cache, write_at)[:, -1].float()
+
+        if not self.use_graph:
+            return step
+        s_tok = torch.zeros(rows, dtype=torch.long, device=self.device)
+        s_pos = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        s_at = torch.zeros((), dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
+                step(s_tok, s_pos, s_at)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            s_out = step(s_tok, s_pos, s_at)
+
+        def replay(tok, pos, write_at):
+            s_tok.copy_(tok)
+            s_pos.copy_(pos)
+            s_at.copy_(write_at)
+            graph.replay()
+            return s_out
+
+        return replay
+
+    @staticmethod
+    def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token, behaviour log-prob, tempered log-prob) per row of fp32 ``logits [R, V]``."""
+        if cfg.temperature == 0:
+            tok = logits.argmax(-1)
+            zero = torch.zeros(tok.shape, dtype=torch.float32, device=logits.device)
+            return tok, zero, zero
+        z = logits.float() / cfg.temperature
+        full = torch.log_softmax(z, -1)
+        zt = z
+        if cfg.top_k and cfg.top_k < z.shape[-1]:
+            kth = torch.topk(zt, cfg.top_k, dim=-1).values[:, -1:]
+            zt = zt.masked_fill(zt < kth, -math.inf)
+        if cfg.top_p < 1:
+            srt, idx = torch.sort(zt, dim=-1, descending=True)
+            probs = torch.softmax(srt, -1)
+            before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above
+            srt = srt.masked_fill(before >= cfg.top_p, -math.inf)  # the top token always stays
+            zt = torch.full_like(zt, -math.inf).scatter(-1, idx, srt)
+        trunc = torch.log_softmax(zt, -1)
+        tok = torch.multinomial(trunc.exp(), 1, generator=gen).squeeze(1)
+        return tok, trunc.gather(-1, tok[:, None]).squeeze(1), full.gather(-1, tok[:, None]).squeeze(1)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], group: int, sampling: SamplingConfig, seed: int,
+                 eos_ids: set[int] | list[int], pad_id: int) -> RolloutBatch:
+        """Sample ``group`` completions per prompt (sharing the prompt's prefill)."""
+        if group < 1:
+            raise QerlError(f"the group size G must be >= 1, got {group}.")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise QerlError("every prompt must hold at least one token.")
+        dev = self.device
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        b, g, t_new = len(prompts), group, sampling.max_new_tokens
+        r = b * g
+        p_len = max(len(p) for p in prompts)
+        slots = p_len + t_new
+        ids = torch.full((b, p_len), pad_id, dtype=torch.long)
+        pmask = torch.zeros(b, p_len, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, p_len - len(p):] = torch.tensor(p)
+            pmask[i, p_len - len(p):] = True
+        ids, pmask = ids.to(dev), pmask.to(dev)
+        pos = (pmask.long().cumsum(1) - 1).clamp(min=0)
+        key_mask = torch.ones(b, slots, dtype=torch.bool, device=dev)
+        key_mask[:, :p_len] = pmask
+        sync()
+        t0 = time.perf_counter()
+        cache = self._new_cache(b, slots)
+        rows = slice(0, None, g) if (self._noisy is not None and self.noise.scope == "group") else None
+        logits = self.forward(ids, pos, key_mask, cache, torch.zeros((), dtype=torch.long, device=dev), rows)[:, -1]
+        cache = [(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)) for k, v in cache]
+        key_mask = key_mask.repeat_interleave(g, 0)
+        logits = logits.float().repeat_interleave(g, 0)
+        next_pos = pos[:, -1:].repeat_interleave(g, 0) + 1
+        sync()
+        t1 = time.perf_counter()
+        decode = self._decoder(cache, key_mask, r)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+        out = torch.full((r, t_new), pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros(r, t_new, dtype=torch.bool, device=dev)
+        blp = torch.zeros(r, t_new, dtype=torch.float32, device=dev)
+        tlp = torch.zeros(r, t_new, dtype=torch.float32, device=dev)
+        finished = torch.zeros(r, dtype=torch.bool, device=dev)
+        at = torch.zeros((), dtype=torch.long, device=dev)
+        steps = 0
+        for step in range(t_new):
+            tok, lb, lt = self.sample(logits, sampling, gen)
+            live = ~finished
+            tok = torch.where(live, tok, torch.full_like(tok, pad_id))
+            out[:, step] = tok
+            mask[:, step] = live
+            blp[:, step] = torch.where(live, lb, torch.zeros_like(lb))
+            tlp[:, step] = torch.where(live, lt, torch.zeros_like(lt))
+            finished = finished | (live & torch.isin(tok, eos))
+            steps = step + 1
+            if step == t_new - 1 or bool(finished.all()):
+                break
+            at.fill_(p_len + step)
+            logits = decode(tok, next_pos, at)
+            next_pos = next_pos + 1
+        sync()
+        t2 = time.perf_counter()
+        ended = (mask & torch.isin(out, eos)).any(1).cpu()
+        gen_tokens = int(mask.sum())
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompts], group=g,
+            completion_ids=out[:, :steps].cpu(), completion_mask=mask[:, :steps].cpu(),
+            behaviour_logprobs=blp[:, :steps].cpu(), tempered_logprobs=tlp[:, :steps].cpu(),
+            finish_reason=["eos" if e else "length" for e in ended.tolist()],
+            timings={"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": steps,
+                     "generated_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(t2 - t0, 1e-9),
+                     "cuda_graph": self.use_graph})
+
+    def sequence_logprobs(self, prompts: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                          temperature: float, pad_id: int, group: int = 1) -> torch.Tensor:
+        """Teacher-forced log-probs ``[R, T]`` of the completions under the tempered softmax (no truncation),
+        in one forward without cache (differentiable through LoRA). Row ``r`` continues prompt ``r // group``."""
+        dev = self.device
+        r, t = completion_ids.shape
+        p_len = max(len(p) for p in prompts)
+        ids = torch.full((r, p_len + t), pad_id, dtype=torch.long)
+        key = torch.zeros(r, p_len + t, dtype=torch.bool)
+        for i in range(r):
+            p = prompts[i // group]
+            ids[i, p_len - len(p): p_len] = torch.tensor(p)
+            key[i, p_len - len(p): p_len] = True
+        ids[:, p_len:] = completion_ids
+        key[:, p_len:] = completion_mask
+        ids, key = ids.to(dev), key.to(dev)
+        pos = (key.long().cumsum(1) - 1).clamp(min=0)
+        logits = self.forward(ids, pos, key)[:, p_len - 1: p_len + t - 1].float()
+        lp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
+        out = lp.gather(-1, completion_ids.to(dev)[..., None]).squeeze(-1)
+        return out * completion_mask.to(dev)

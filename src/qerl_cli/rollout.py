@@ -1,0 +1,300 @@
+"""``qerl rollout``: batched sampling with our engine (packed NVFP4 or bf16 weights), AQN and recorded
+behaviour log-probs; optionally scored by a task verifier."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.table import Table
+from safetensors.torch import save_file
+
+from . import artifact, config, modelio, names, tasks, ui
+from .engine import Engine, RolloutBatch, SamplingConfig
+from .errors import QerlError
+
+LOGPROB_DEFINITION = ("behaviour_logprobs: log-prob of each sampled token under the distribution it was sampled "
+                      "from = softmax(logits / temperature) truncated by top-k then top-p and renormalized; "
+                      "tempered_logprobs: under the untruncated softmax(logits / temperature); greedy (T=0): 0")
+
+
+@dataclass
+class RolloutConfig:
+    group: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    sigma: float
+    noise_scope: str
+    seed: int
+    num_prompts: int
+    batch_prompts: int
+    format_reward: float
+    cuda_graph: bool
+    progress: bool
+    engine: str = "ours"
+    device: str = "cpu"
+
+    def __post_init__(self):
+        problems = []
+        if self.group < 1:
+            problems.append("group (G) must be >= 1")
+        if self.sigma < 0:
+            problems.append("sigma must be >= 0")
+        if self.noise_scope not in ("batch", "group"):
+            problems.append("noise_scope must be 'batch' or 'group'")
+        if self.num_prompts < 0 or self.batch_prompts < 1:
+            problems.append("num_prompts must be >= 0 (0 = all) and batch_prompts >= 1")
+        if self.engine not in ("ours", "hf", "vllm"):
+            problems.append("engine must be 'ours', 'hf' or 'vllm'")
+        try:
+            self.sampling()
+        except ValueError as e:
+            problems.append(str(e))
+        config.validate(problems)
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
+
+
+def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None) -> artifact.Artifact:
+    """The verify artifact of ``packed`` that passed; a clear error otherwise."""
+    cand = Path(verify_dir) if verify_dir is not None else packed.path.parent / "verify"
+    hint = f"run `qerl verify {packed.path} -o DIR` and pass --verify DIR, or pass --skip-verify"
+    if not (cand / names.MANIFEST).is_file():
+        raise QerlError(f"{packed.path} has not been verified (no verify artifact at {cand}); {hint}.")
+    v = artifact.open_artifact(cand, names.KIND_VERIFY)
+    if not any(i.get(names.K_DIGEST) == packed.digest for i in v.inputs):
+        raise QerlError(f"{cand} verified a different pack than {packed.path}; {hint}.")
+    if not v.metrics.get("passed"):
+        raise QerlError(f"{packed.path} failed verification ({cand}); fix the pack before sampling from it.")
+    return v
+
+
+def load_policy(source: str | Path, device: str, dtype: torch.dtype | None = None, verify_dir=None,
+                skip_verify: bool = False):
+    """(HF-module model, tokenizer, inputs, info) for a packed artifact or a source model (bf16 baseline)."""
+    from transformers import AutoTokenizer
+
+    from .packed_model import load_packed_model
+
+    src = Path(str(source))
+    if (src / names.MANIFEST).is_file():
+        packed = artifact.open_artifact(src, names.KIND_PACKED)
+        inputs = [packed]
+        info = {"weights": "nvfp4-packed", "packed_digest": packed.digest}
+        if skip_verify:
+            info["verify"] = "skipped (--skip-verify)"
+        else:
+            v = require_verified(packed, verify_dir)
+            inputs.append(v)
+            info["verify"] = v.digest
+        dt = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        model = load_packed_model(packed, dt, device)
+        tok = AutoTokenizer.from_pretrained(str(packed.path))
+        return model, tok, inputs, info
+    ms = modelio.resolve(str(source))
+    dt = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model, tok = modelio.load(ms, dt)
+    return model.to(device), tok, [ms.as_input()], {"weights": str(dt).replace("torch.", ""), "model": ms.spec}
+
+
+def _fix_tokenizer(tok) -> None:
+    if "<|im_end|>" in tok.get_vocab():
+        tok.eos_token = "<|im_end|>"
+        tok.pad_token = "<|im_end|>"
+    elif tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+
+
+def eos_ids(model, tok) -> set[int]:
+    ids = {tok.eos_token_id}
+    ge = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(ge if isinstance(ge, list) else [ge] if ge is not None else [])
+    return {i for i in ids if i is not None}
+
+
+def score_batch(batch: RolloutBatch, tok, problems: list[tasks.Problem] | None, format_reward: float) -> list[dict]:
+    rows = []
+    for r in range(batch.rows):
+        ids = batch.completion_ids[r][batch.completion_mask[r]].tolist()
+        text = tok.decode(ids, skip_special_tokens=True)
+        row = {"prompt": r // batch.group, "sample": r % batch.group, "completion": text,
+               "finish_reason": batch.finish_reason[r], "tokens": len(ids)}
+        if problems is not None:
+            p = problems[r // batch.group]
+            o = tasks.score(text, p.answer, batch.finish_reason[r] == "length", format_reward)
+            row |= {"gold": p.answer, "extracted": o.extracted, "status": o.status, "reward": o.reward}
+        rows.append(row)
+    return rows
+
+
+def rollout(source: str | Path, prompts: str, output: str | Path, group: int | None = None,
+            max_new_tokens: int | None = None, adapter: str | Path | None = None, sigma: float | None = None,
+            seed: int | None = None, temperature: float | None = None, top_p: float | None = None,
+            top_k: int | None = None, num_prompts: int | None = None, noise_scope: str | None = None,
+            engine: str = "ours", verify_dir: str | Path | None = None, skip_verify: bool = False,
+            config_file: str | Path | None = None, force: bool = False, progress: bool = True,
+            device: str | None = None) -> artifact.Artifact:
+    """Sample ``group`` completions per prompt; record tokens, masks, behaviour log-probs, rewards, noise."""
+    output = Path(output)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = config.load("rollout", RolloutConfig, config_file, {
+        "group": group, "max_new_tokens": max_new_tokens, "sigma": sigma, "seed": seed, "temperature": temperature,
+        "top_p": top_p, "top_k": top_k, "num_prompts": num_prompts, "noise_scope": noise_scope,
+        "progress": progress, "engine": engine, "device": device})
+    if cfg.engine == "vllm":
+        from . import vllm_backend
+
+        vllm_backend.require()
+    model, tok, input_arts, info = load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
+    _fix_tokenizer(tok)
+    problems = None
+    if prompts.startswith("arith") or not prompts.endswith(".txt"):
+        try:
+            problems = tasks.load_problems(prompts, cfg.seed, cfg.num_prompts or None)
+        except QerlError as e:
+            if "lacks the field" not in str(e):
+                raise
+    if problems is not None:
+        texts = [p.question for p in problems]
+    else:
+        from . import data
+
+        texts = [data.row_text(r, ["prompt"], tok) for r in data.load_records(prompts).rows]
+    if cfg.num_prompts:
+        texts = texts[: cfg.num_prompts]
+        problems = problems[: cfg.num_prompts] if problems is not None else None
+    if not texts:
+        raise QerlError(f"{prompts} holds no prompts.")
+    prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
+    lora = None
+    if adapter is not None:
+        from .adapter import load_lora
+
+        lora = load_lora(adapter, model)
+    inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
+    inputs.append(artifact.Input("prompts", prompts, artifact.sha256_json(texts)))
+    if lora is not None:
+        inputs.append(artifact.Input("adapter", str(adapter), lora.digest))
+
+    def body(tmp: Path) -> dict:
+        eng = Engine(model, device, cuda_graph=cfg.cuda_graph)
+        eng.set_adapter(lora)
+        eos = eos_ids(model, tok)
+        batches, rows, noise_states = [], [], []
+        starts = list(range(0, len(prompt_ids), cfg.batch_prompts))
+        for bi, s in enumerate(ui.track(starts, "sampling", enabled=cfg.progress)):
+            chunk = prompt_ids[s: s + cfg.batch_prompts]
+            ns = eng.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi, cfg.noise_scope, len(chunk), cfg.group)
+            noise_states.append(ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]})
+            if cfg.engine == "hf":
+                b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id)
+            else:
+                b = eng.generate(chunk, cfg.group, cfg.sampling(), cfg.seed + bi, eos, tok.pad_token_id)
+            sub = problems[s: s + len(chunk)] if problems is not None else None
+            for row in score_batch(b, tok, sub, cfg.format_reward):
+                row["prompt"] += s
+                rows.append(row)
+            batches.append(b)
+        tensors = _stack(batches, tok.pad_token_id)
+        if problems is not None:
+            tensors["rewards"] = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
+        save_file(tensors, str(tmp / names.ROLLOUT_TENSORS), metadata={"format": "pt"})
+        with open(tmp / names.ROLLOUT_SAMPLES, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r | {"prompt_text": texts[r["prompt"]]}) + "\n")
+        summary = _summary(rows, batches)
+        meta = {"policy": info | {"engine": cfg.engine, "device": device, "dtype": str(eng.dtype),
+                                  "adapter_digest": lora.digest if lora else None, "cuda_graph": eng.use_graph},
+                "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION,
+                "noise": noise_states, "summary": summary}
+        (tmp / names.ROLLOUT_META).write_text(json.dumps(meta, indent=1) + "\n")
+        peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
+        return summary | {"peak_cuda_allocated": peak}
+
+    art = artifact.run_stage(names.KIND_ROLLOUT, output, config.as_dict(cfg), inputs, body, force=force)
+    _print(json.loads(art.file(names.ROLLOUT_META).read_text())["summary"], art.path)
+    return art
+
+
+def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[int], pad: int) -> RolloutBatch:
+    """Reference path: transformers' ``generate`` (no behaviour log-probs beyond its scores)."""
+    import time
+
+    dev = next(model.parameters()).device
+    p_len = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), p_len), pad, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, p_len - len(p):] = torch.tensor(p)
+        att[i, p_len - len(p):] = 1
+    t0 = time.perf_counter()
+    kw = {"do_sample": cfg.temperature > 0}
+    if cfg.temperature > 0:
+        kw |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or None}
+    torch.manual_seed(cfg.seed)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=cfg.max_new_tokens,
+                         num_return_sequences=cfg.group, eos_token_id=sorted(eos), pad_token_id=pad,
+                         output_scores=True, return_dict_in_generate=True, **kw)
+    seq = out.sequences[:, p_len:].cpu()
+    t = seq.shape[1]
+    eos_t = torch.tensor(sorted(eos))
+    is_eos = torch.isin(seq, eos_t)
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((seq.shape[0],), t))
+    mask = torch.arange(t)[None] <= first[:, None]
+    mask &= torch.arange(t)[None] < t
+    scores = torch.stack(out.scores, 1).float().cpu()  # processed logits
+    lp = torch.log_softmax(scores, -1).gather(-1, seq[..., None]).squeeze(-1) * mask
+    dt = time.perf_counter() - t0
+    return RolloutBatch([list(p) for p in prompts], cfg.group, seq, mask, lp, lp,
+                        ["eos" if f < t else "length" for f in first.tolist()],
+                        {"prefill_s": 0.0, "decode_s": dt, "generated_tokens": int(mask.sum()),
+                         "tokens_per_s": int(mask.sum()) / dt})
+
+
+def _stack(batches: list[RolloutBatch], pad: int) -> dict[str, torch.Tensor]:
+    t = max(b.completion_ids.shape[1] for b in batches)
+    p = max(len(x) for b in batches for x in b.prompt_ids)
+    comp, mask, blp, tlp, prompt, plen = [], [], [], [], [], []
+    for b in batches:
+        extra = t - b.completion_ids.shape[1]
+        comp.append(torch.nn.functional.pad(b.completion_ids, (0, extra), value=pad))
+        mask.append(torch.nn.functional.pad(b.completion_mask, (0, extra), value=False))
+        blp.append(torch.nn.functional.pad(b.behaviour_logprobs, (0, extra)))
+        tlp.append(torch.nn.functional.pad(b.tempered_logprobs, (0, extra)))
+        for x in b.prompt_ids:
+            prompt.append(torch.tensor([pad] * (p - len(x)) + x))
+            plen.append(len(x))
+    reasons = [r for b in batches for r in b.finish_reason]
+    return {"prompt_ids": torch.stack(prompt), "prompt_lengths": torch.tensor(plen, dtype=torch.int32),
+            "completion_ids": torch.cat(comp), "completion_mask": torch.cat(mask),
+            "behaviour_logprobs": torch.cat(blp), "tempered_logprobs": torch.cat(tlp),
+            "finished_by_eos": torch.tensor([r == "eos" for r in reasons])}
+
+
+def _summary(rows: list[dict], batches: list[RolloutBatch]) -> dict:
+    gen = sum(b.timings["generated_tokens"] for b in batches)
+    pre = sum(b.timings["prefill_s"] for b in batches)
+    dec = sum(b.timings["decode_s"] for b in batches)
+    s = {"samples": len(rows), "generated_tokens": gen, "prefill_s": pre, "decode_s": dec,
+         "tokens_per_s": gen / max(pre + dec, 1e-9),
+         "truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
+         "mean_length": gen / len(rows)}
+    if rows and "reward" in rows[0]:
+        for st in (tasks.CORRECT, tasks.WRONG, tasks.UNPARSABLE, tasks.TRUNCATED):
+            s[f"{st}_fraction"] = sum(r["status"] == st for r in rows) / len(rows)
+        s["reward_mean"] = sum(r["reward"] for r in rows) / len(rows)
+    return s
+
+
+def _print(summary: dict, path: Path) -> None:
+    t = Table(title=f"qerl rollout — {path}")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    for k, v in summary.items():
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    ui.out.print(t)

@@ -1,0 +1,165 @@
+"""Tasks and answer checking: GSM8K-style data, a generated arithmetic task, and rewards that tell a wrong
+answer, an unparsable answer and a truncated completion apart."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .errors import QerlError
+
+CORRECT, WRONG, UNPARSABLE, TRUNCATED = "correct", "wrong", "unparsable", "truncated"
+
+_NUM = r"-?\$?\s?\d[\d,]*(?:\.\d+)?"
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_HASHES = re.compile(r"####\s*(" + _NUM + r"(?:\s*/\s*\d+)?)")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*(" + _NUM + r"(?:\s*/\s*\d+)?)", re.IGNORECASE)
+_ANY_NUM = re.compile(_NUM + r"(?:\s*/\s*\d+)?")
+_FRAC = re.compile(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """``"$1,080.00"`` → 1080, ``"\\frac{1}{2}"`` → 1/2, ``"3/4"`` → 3/4, ``"-7"`` → -7; None if not a number."""
+    s = text.strip().rstrip(".").strip()
+    m = _FRAC.fullmatch(s)
+    if m:
+        try:
+            return Fraction(m.group(1)) / Fraction(m.group(2))
+        except (ValueError, ZeroDivisionError):
+            return None
+    s = s.replace("$", "").replace(",", "").replace(" ", "")
+    if "/" in s:
+        a, _, b = s.partition("/")
+        try:
+            return Fraction(a) / Fraction(b)
+        except (ValueError, ZeroDivisionError):
+            return None
+    try:
+        return Fraction(s)
+    except ValueError:
+        return None
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer of a completion: ``\\boxed{}``, then ``#### x``, then "answer is x", then the last number."""
+    for pattern in (_BOXED, _HASHES, _ANSWER_IS):
+        found = pattern.findall(completion)
+        if found:
+            return found[-1].strip()
+    nums = _ANY_NUM.findall(completion)
+    return nums[-1].strip() if nums else None
+
+
+def gold_answer(answer_field: str) -> str:
+    """GSM8K gold: the text after ``####`` (or the whole field)."""
+    m = _HASHES.search(answer_field)
+    return m.group(1).strip() if m else answer_field.strip()
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    try:
+        from math_verify import parse, verify  # optional, more thorough (LaTeX, sets, units)
+
+        return bool(verify(parse(gold), parse(pred)))
+    except ImportError:
+        pass
+    a, b = parse_number(pred), parse_number(gold)
+    if a is not None and b is not None:
+        return a == b
+    return pred.strip() == gold.strip()
+
+
+@dataclass
+class Outcome:
+    reward: float
+    status: str  # correct | wrong | unparsable | truncated
+    extracted: str | None
+
+
+def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.0) -> Outcome:
+    """Reward 1 for a correct final answer (+ ``format_reward`` for a ``####``/boxed answer), 0 otherwise.
+    A completion cut off by the token limit is ``truncated`` (reward 0) unless it already holds a marked
+    final answer."""
+    marked = bool(_BOXED.search(completion) or _HASHES.search(completion))
+    pred = extract_answer(completion)
+    if truncated and not marked:
+        return Outcome(0.0, TRUNCATED, pred)
+    if pred is None:
+        return Outcome(0.0, UNPARSABLE, None)
+    ok = answers_match(pred, gold)
+    bonus = format_reward if marked else 0.0
+    return Outcome(1.0 + bonus if ok else bonus, CORRECT if ok else WRONG, pred)
+
+
+# ------------------------------------------------------------------------------------------------ data
+@dataclass
+class Problem:
+    question: str
+    answer: str  # gold final answer
+
+
+SYSTEM_HINT = "Solve the problem. End your reply with the final answer after '####'."
+
+
+def problems_from_rows(rows: list[dict], question_field: str = "question", answer_field: str = "answer") -> list[Problem]:
+    out = []
+    for i, r in enumerate(rows):
+        if question_field not in r or answer_field not in r:
+            raise QerlError(f"row {i} lacks the field '{question_field}' or '{answer_field}' (fields: {sorted(r)[:8]}).")
+        out.append(Problem(str(r[question_field]), gold_answer(str(r[answer_field]))))
+    return out
+
+
+_NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana")
+_ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "coins")
+
+
+def arithmetic_problems(n: int, seed: int, split: str = "train", difficulty: int = 1,
+                        kinds: tuple[str, ...] = ("add", "mul", "word")) -> list[Problem]:
+    """Generated problems: single-digit add / multiply and one-step word problems. ``difficulty`` d draws
+    operands with d digits. ``split='heldout'`` uses a disjoint seed stream, so train and held-out differ."""
+    if n < 0 or difficulty < 1:
+        raise QerlError("arithmetic task needs n >= 0 and difficulty >= 1.")
+    rng = random.Random(f"{split}:{seed}:{difficulty}")
+    lo, hi = (0 if difficulty == 1 else 10 ** (difficulty - 1)), 10 ** difficulty - 1
+    out = []
+    for _ in range(n):
+        kind = rng.choice(kinds)
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        if kind == "add":
+            out.append(Problem(f"What is {a} + {b}?", str(a + b)))
+        elif kind == "mul":
+            out.append(Problem(f"What is {a} * {b}?", str(a * b)))
+        else:
+            who, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+            if rng.random() < 0.5:
+                out.append(Problem(f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have now?", str(a + b)))
+            else:
+                out.append(Problem(f"{who} buys {a} bags with {b} {item} in each bag. How many {item} does {who} have?", str(a * b)))
+    return out
+
+
+def load_problems(spec: str, seed: int = 0, n: int | None = None, split: str = "train") -> list[Problem]:
+    """``arith[:N]`` (generated, ``split`` train/heldout), or a jsonl/json/parquet file / HF dataset with
+    question and answer fields."""
+    if spec.startswith("arith"):
+        _, _, count = spec.partition(":")
+        k = int(count) if count else (n or 256)
+        return arithmetic_problems(k, seed, split)
+    from . import data
+
+    probs = problems_from_rows(data.load_records(spec, split).rows)
+    if not probs:
+        raise QerlError(f"{spec} holds no problems.")
+    return probs[:n] if n else probs
+
+
+def chat_prompt(tokenizer, question: str, system: str | None = SYSTEM_HINT) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    else:
+        text = (system + "\n\n" if system else "") + question + "\n"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,178 @@
+"""The rollout engine on CPU (fp32): HF parity, behaviour log-probs, sampling, AQN and LoRA."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from qerl_cli import artifact, names, pack, packed_model, quantize, verify
+from qerl_cli.engine import Engine, LoRA, SamplingConfig
+
+EOS, PAD = 2, 2
+
+
+@pytest.fixture(scope="module")
+def packed_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny Llama with weights large enough that greedy decoding is not degenerate, quantized and packed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("engine")
+    torch.manual_seed(0)
+    conf = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.15,
+                       tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1)
+    m = LlamaForCausalLM(conf)
+    m.save_pretrained(str(root / "model"))
+    smollm2_tokenizer.save_pretrained(str(root / "model"))
+    quantize.quantize(str(root / "model"), root / "quant", progress=False)
+    pack.pack(root / "quant", root / "packed", progress=False)
+    verify.verify(root / "packed", root / "verify", progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(packed_dir):
+    return packed_model.load_packed_model(artifact.open_artifact(packed_dir / "packed", names.KIND_PACKED))
+
+
+PROMPTS = [[1, 520, 33, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500]]
+
+
+def test_greedy_matches_hf_generate(model):
+    eng = Engine(model)
+    out = eng.generate(PROMPTS, 1, SamplingConfig(temperature=0, max_new_tokens=20), 0, {EOS}, PAD)
+    for i, p in enumerate(PROMPTS):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+        ours = out.completion_ids[i][out.completion_mask[i]].tolist()
+        assert ours == ref[0, len(p):].tolist()
+    assert len(set(out.completion_ids[0].tolist())) > 3  # not a degenerate repeat: the test has teeth
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_equal_teacher_forced(model, temperature):
+    eng = Engine(model)
+    b = eng.generate(PROMPTS, 4, SamplingConfig(temperature=temperature, max_new_tokens=24), 3, {EOS}, PAD)
+    with torch.no_grad():
+        tf = eng.sequence_logprobs(b.prompt_ids, b.completion_ids, b.completion_mask, temperature, PAD, group=4)
+    assert torch.equal(b.behaviour_logprobs, b.tempered_logprobs)  # no truncation: the two definitions agree
+    assert (tf - b.behaviour_logprobs).abs().max() <= 1e-4
+    assert (b.behaviour_logprobs[b.completion_mask] < 0).all()
+
+
+def test_top_p_logprobs_are_of_the_truncated_distribution(model):
+    eng = Engine(model)
+    b = eng.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, top_p=0.5, max_new_tokens=16), 5, {EOS}, PAD)
+    with torch.no_grad():
+        tf = eng.sequence_logprobs(b.prompt_ids, b.completion_ids, b.completion_mask, 1.0, PAD, group=4)
+    m = b.completion_mask
+    assert (tf - b.tempered_logprobs).abs().max() <= 1e-4  # the untruncated one is what a forward gives
+    assert (b.behaviour_logprobs[m] >= b.tempered_logprobs[m] - 1e-6).all()  # renormalized over the nucleus
+    assert (b.behaviour_logprobs[m] > b.tempered_logprobs[m] + 1e-3).any()
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(4000, 1)
+    tok, lb, lt = Engine.sample(logits, SamplingConfig(temperature=0), None)
+    assert (tok == 0).all() and (lb == 0).all()
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(logits[0], -1)
+    nucleus = {0, 1}  # p0 = 0.56 < 0.7, p0 + p1 = 0.77 >= 0.7
+    assert probs[0] < 0.7 <= probs[0] + probs[1]
+    tok, lb, _ = Engine.sample(logits, SamplingConfig(temperature=1.0, top_p=0.7), g)
+    assert set(tok.tolist()) == nucleus
+    expect = torch.log(probs[tok] / probs[:2].sum())
+    torch.testing.assert_close(lb, expect)
+    tok, _, _ = Engine.sample(logits, SamplingConfig(temperature=1.0, top_k=3), g)
+    assert set(tok.tolist()) == {0, 1, 2}
+    tok, _, _ = Engine.sample(logits, SamplingConfig(temperature=1.0), g)
+    freq = torch.bincount(tok, minlength=6).float() / len(tok)
+    assert (freq - probs).abs().max() < 0.03
+
+
+def test_noise_zero_is_bit_identical_and_seed_reproduces(model):
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=12)
+    a = Engine(model).generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    eng = Engine(model)
+    eng.set_noise(0.0, 123)
+    b = eng.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    eng.set_noise(0.05, 11)
+    c = eng.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    eng.set_noise(0.05, 11)
+    d = eng.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    assert torch.equal(c.completion_ids, d.completion_ids) and torch.equal(c.behaviour_logprobs, d.behaviour_logprobs)
+    assert not torch.equal(a.behaviour_logprobs, c.behaviour_logprobs)
+
+
+def test_noise_never_accumulates(model):
+    eng = Engine(model)
+    sigma = 0.02
+    clean = eng.clean[0]["input_layernorm"].clone()
+    for i in range(200):
+        eng.set_noise(sigma, i)
+    dev = eng.effective_norm_weights()[0]["input_layernorm"] - clean
+    assert abs(float(dev.std()) - sigma) < 0.25 * sigma  # accumulating would give sigma * sqrt(200) ~ 14 sigma
+    assert eng.noise.draws == 200 and eng.noise.seed == 199
+    assert torch.equal(eng.clean[0]["input_layernorm"], clean)
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, clean)  # the model itself is untouched
+
+
+def test_noise_reaches_the_norms_that_generate(model):
+    """Engine logits under a draw equal a HF forward of a model whose two norms per layer hold that draw."""
+    eng = Engine(model)
+    eng.set_noise(0.1, 5)
+    ids = torch.tensor([PROMPTS[0]])
+    key = torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        ours = eng.forward(ids, pos, key)
+        noisy = copy.deepcopy(model)
+        for layer, w in zip(noisy.model.layers, eng.effective_norm_weights()):
+            layer.input_layernorm.weight.copy_(w["input_layernorm"])
+            layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm"])
+        ref = noisy(ids).logits
+        clean = model(ids).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert (ours - clean).abs().max() > 1e-2
+    assert torch.equal(eng.final_norm, model.model.norm.weight)  # final norm excluded
+
+
+def test_group_scope_shares_noise_within_groups(model):
+    eng = Engine(model)
+    eng.set_noise(0.05, 1, scope="group", groups=3, group_size=2)
+    w = eng.effective_norm_weights()[1]["post_attention_layernorm"]
+    assert w.shape[0] == 6
+    assert torch.equal(w[0], w[1]) and torch.equal(w[2], w[3]) and not torch.equal(w[1], w[2])
+    b = eng.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=10), 3, {EOS}, PAD)
+    with torch.no_grad():
+        tf = eng.sequence_logprobs(b.prompt_ids, b.completion_ids, b.completion_mask, 1.0, PAD, group=2)
+    assert (tf - b.behaviour_logprobs).abs().max() <= 1e-4
+
+
+def test_lora_applied_beside_the_base_and_swappable(model):
+    eng = Engine(model)
+    g = torch.Generator().manual_seed(0)
+    name = "model.layers.0.mlp.down_proj"
+    a, b = torch.randn(4, 128, generator=g) * 0.3, torch.randn(64, 4, generator=g) * 0.3
+    ids = torch.tensor([PROMPTS[2]])
+    key = torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        base = eng.forward(ids, pos, key)
+        eng.set_adapter(LoRA({name: (a, b)}, scaling=2.0))
+        with_lora = eng.forward(ids, pos, key)
+        merged = copy.deepcopy(model)
+        lin = merged.get_submodule(name)
+        dense = torch.nn.Linear(128, 64, bias=False)
+        dense.weight.copy_(lin.dequantized_weight() + 2.0 * b @ a)
+        parent = merged.get_submodule("model.layers.0.mlp")
+        parent.down_proj = dense
+        ref = merged(ids).logits
+        eng.set_adapter(None)
+        again = eng.forward(ids, pos, key)
+    torch.testing.assert_close(with_lora, ref, rtol=1e-4, atol=1e-4)
+    assert (with_lora - base).abs().max() > 1e-2
+    assert torch.equal(again, base)
