@@ -270,7 +270,12 @@ def _stack(batches: list[RolloutBatch], pad: int) -> dict[str, torch.Tensor]:
             prompt.append(torch.tensor([pad] * (p - len(x)) + x))
             plen.append(len(x))
     reasons = [r for b in batches for r in b.finish_reason]
+    row_prompt, base = [], 0
+    for b in batches:
+        row_prompt += [base + r // b.group for r in range(b.rows)]
+        base += len(b.prompt_ids)
     return {"prompt_ids": torch.stack(prompt), "prompt_lengths": torch.tensor(plen, dtype=torch.int32),
+            "row_prompt": torch.tensor(row_prompt, dtype=torch.int32),
             "completion_ids": torch.cat(comp), "completion_mask": torch.cat(mask),
             "behaviour_logprobs": torch.cat(blp), "tempered_logprobs": torch.cat(tlp),
             "finished_by_eos": torch.tensor([r == "eos" for r in reasons])}

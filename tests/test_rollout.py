@@ -1,0 +1,151 @@
+"""rollout: the stage and its CLI (artifact contents, cache, bad inputs), tasks and answer checking."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import SHARED_DATA, run_cli
+from qerl_cli import artifact, names, pack, quantize, rollout, tasks, verify
+from qerl_cli.errors import QerlError
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    quantize.quantize(str(tiny_model_dir), root / "quant", progress=False)
+    pack.pack(root / "quant", root / "packed", progress=False)
+    verify.verify(root / "packed", root / "verify", progress=False)
+    return root
+
+
+def test_rollout_artifact(pipeline, tmp_path):
+    art = rollout.rollout(pipeline / "packed", "arith:3", tmp_path / "ro", group=2, max_new_tokens=8, sigma=0.01,
+                          seed=4, progress=False)
+    assert sorted(f["path"] for f in art.manifest["files"]) == sorted(
+        [names.ROLLOUT_TENSORS, names.ROLLOUT_SAMPLES, names.ROLLOUT_META])
+    t = load_file(str(art.file(names.ROLLOUT_TENSORS)))
+    assert t["completion_ids"].shape == (6, 8) and t["behaviour_logprobs"].shape == (6, 8)
+    assert t["prompt_ids"].shape[0] == 3 and t["rewards"].shape == (6,)
+    assert t["row_prompt"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert (t["behaviour_logprobs"][t["completion_mask"]] < 0).all()
+    meta = json.loads(art.file(names.ROLLOUT_META).read_text())
+    assert meta["noise"][0]["sigma"] == 0.01 and meta["noise"][0]["scope"] == "batch"
+    assert "truncated" in meta["logprobs"] and meta["policy"]["weights"] == "nvfp4-packed"
+    assert meta["policy"]["verify"] == artifact.open_artifact(pipeline / "verify", names.KIND_VERIFY).digest
+    rows = [json.loads(line) for line in art.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
+    assert len(rows) == 6 and {r["status"] for r in rows} <= {"correct", "wrong", "unparsable", "truncated"}
+    assert [r["prompt"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    # same call again: cached, identical
+    again = rollout.rollout(pipeline / "packed", "arith:3", tmp_path / "ro", group=2, max_new_tokens=8, sigma=0.01,
+                            seed=4, progress=False)
+    assert again.digest == art.digest
+
+
+def test_rollout_reproducible_and_noise_changes_it(pipeline, tmp_path):
+    kw = dict(group=2, max_new_tokens=6, seed=1, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", sigma=0.05, **kw)
+    b = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "b", sigma=0.05, force=True, **kw)
+    c = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "c", sigma=0.0, **kw)
+    ta, tb, tc = (load_file(str(x.file(names.ROLLOUT_TENSORS))) for x in (a, b, c))
+    assert torch.equal(ta["completion_ids"], tb["completion_ids"])
+    assert torch.equal(ta["behaviour_logprobs"], tb["behaviour_logprobs"])
+    assert not torch.equal(ta["behaviour_logprobs"], tc["behaviour_logprobs"])
+
+
+def test_adapter_is_applied_and_recorded(pipeline, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    (ad / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{name}.lora_A.weight": torch.randn(4, 64, generator=g),
+               f"{name}.lora_B.weight": torch.randn(64, 4, generator=g)}, str(ad / "adapter_model.safetensors"))
+    kw = dict(group=1, max_new_tokens=6, seed=0, temperature=1.0, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "with", adapter=ad, **kw)
+    b = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "without", **kw)
+    meta = json.loads(a.file(names.ROLLOUT_META).read_text())
+    assert meta["policy"]["adapter_digest"] == artifact.sha256_file(ad / "adapter_model.safetensors")
+    assert any(i["kind"] == "adapter" for i in a.inputs)
+    ta, tb = (load_file(str(x.file(names.ROLLOUT_TENSORS))) for x in (a, b))
+    assert not torch.equal(ta["behaviour_logprobs"], tb["behaviour_logprobs"])
+
+
+def _cli_fails(*args, match: str, out=None):
+    r = run_cli("rollout", *args, "--no-progress")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    assert match in " ".join(r.stderr.split()), r.stderr
+    if out is not None:
+        assert not out.exists()
+
+
+def test_rollout_bad_inputs(pipeline, tmp_path):
+    out = tmp_path / "ro"
+    unverified = tmp_path / "p2"
+    shutil.copytree(pipeline / "packed", unverified)
+    _cli_fails(str(unverified), "--prompts", "arith:2", "-o", str(out), match="has not been verified", out=out)
+    _cli_fails(str(tmp_path / "missing"), "--prompts", "arith:2", "-o", str(out), match="does not exist", out=out)
+    _cli_fails(str(pipeline / "packed"), "--prompts", "arith:2", "-G", "0", "-o", str(out), match="group", out=out)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    _cli_fails(str(pipeline / "packed"), "--prompts", str(empty), "-o", str(out), match="no", out=out)
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    (ad / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{name}.lora_A.weight": torch.zeros(2, 576), f"{name}.lora_B.weight": torch.zeros(576, 2)},
+              str(ad / "adapter_model.safetensors"))
+    _cli_fails(str(pipeline / "packed"), "--prompts", "arith:2", "--adapter", str(ad), "-o", str(out),
+               match="another model", out=out)
+    _cli_fails(str(pipeline / "quant"), "--prompts", "arith:2", "-o", str(out), match="'quant' artifact", out=out)
+
+
+def test_failed_verify_blocks_rollout(pipeline, tmp_path):
+    v = tmp_path / "verify"
+    shutil.copytree(pipeline / "verify", v)
+    m = json.loads((v / names.MANIFEST).read_text())
+    m["metrics"]["passed"] = False
+    (v / names.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(QerlError, match="failed verification"):
+        rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro", verify_dir=v, progress=False)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("The total is $1,080.00", "1080"), ("so the answer is\n#### 72", "72"),
+    (r"we get \boxed{\frac{1}{2}}", "1/2"), ("It weighs 12 kg in total.", "12"), ("I do not know", None),
+    ("#### -3.50", "-7/2"),
+])
+def test_answer_extraction(text, expected):
+    got = tasks.extract_answer(text)
+    if expected is None:
+        assert got is None
+    else:
+        assert tasks.parse_number(got) == tasks.parse_number(expected)
+
+
+def test_scoring_statuses():
+    assert tasks.score("3 + 4 = 7. #### 7", "7", truncated=False).status == tasks.CORRECT
+    assert tasks.score("#### 8", "7", truncated=False).status == tasks.WRONG
+    assert tasks.score("no idea", "7", truncated=False).status == tasks.UNPARSABLE
+    assert tasks.score("first 3 then", "7", truncated=True).status == tasks.TRUNCATED
+    assert tasks.score("#### 7 and more", "7", truncated=True).status == tasks.CORRECT
+    assert tasks.score("#### 7", "7", False, format_reward=0.1).reward == pytest.approx(1.1)
+    gsm = tasks.load_problems(str(SHARED_DATA / "gsm8k" / "test.jsonl"), n=3)
+    assert gsm[0].answer.replace(",", "").lstrip("-").isdigit()
+
+
+def test_arithmetic_generator():
+    a = tasks.arithmetic_problems(50, 0)
+    assert a == tasks.arithmetic_problems(50, 0)
+    assert a != tasks.arithmetic_problems(50, 0, split="heldout")
+    for p in a:
+        q = p.question
+        if q.startswith("What is"):
+            x, op, y = q[len("What is "):-1].split()
+            assert int(p.answer) == (int(x) + int(y) if op == "+" else int(x) * int(y))
+    assert all(int(p.answer) < 100 for p in a)
