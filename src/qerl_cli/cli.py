@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from . import __version__, ui
 from .errors import QerlError
@@ -192,7 +193,7 @@ def main() -> None:
     try:
         app()
     except QerlError as e:
-        ui.console.print(f"[bold red]error:[/] {e}")
+        ui.console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         ui.console.print("[bold red]interrupted:[/] nothing was written to the output.")

@@ -146,10 +146,16 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         "group": group, "max_new_tokens": max_new_tokens, "sigma": sigma, "seed": seed, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "num_prompts": num_prompts, "noise_scope": noise_scope,
         "progress": progress, "engine": engine, "device": device})
+    vllm_engine = None
     if cfg.engine == "vllm":
         from . import vllm_backend
 
         vllm_backend.require()
+        quant_inputs = [i for i in artifact.open_artifact(source, names.KIND_PACKED).inputs
+                        if i.get(names.K_KIND) == names.KIND_QUANT]
+        if not quant_inputs:
+            raise QerlError("--engine vllm needs a packed artifact made from a quant checkpoint.")
+        vllm_engine = vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
     model, tok, input_arts, info = load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
     _fix_tokenizer(tok)
     problems = None
@@ -191,7 +197,12 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
             chunk = prompt_ids[s: s + cfg.batch_prompts]
             ns = eng.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi, cfg.noise_scope, len(chunk), cfg.group)
             noise_states.append(ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]})
-            if cfg.engine == "hf":
+            if vllm_engine is not None:
+                ns = vllm_engine.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi)
+                noise_states[-1] = ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]}
+                b = vllm_engine.generate(chunk, cfg.group, cfg.sampling(), cfg.seed + bi,
+                                         str(adapter) if adapter else None, tok.pad_token_id)
+            elif cfg.engine == "hf":
                 b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id)
             else:
                 b = eng.generate(chunk, cfg.group, cfg.sampling(), cfg.seed + bi, eos, tok.pad_token_id)

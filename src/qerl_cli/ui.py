@@ -16,7 +16,7 @@ out = Console(highlight=False)  # tables and reports a user may pipe
 
 
 def info(msg: str) -> None:
-    console.print(msg)
+    console.print(msg, soft_wrap=True)
 
 
 def track(items: Iterable[T], description: str, total: int | None = None, enabled: bool = True) -> Iterator[T]:
