@@ -138,3 +138,27 @@ def load_dequantized_model(tensors: dict[str, torch.Tensor], art_dir: Path, dtyp
             skip.update({key, f"{name}.{names.CT_SCALE}", f"{name}.{names.CT_GLOBAL}"})
     _load_rest(model, {k: v for k, v in tensors.items()}, skip, dtype, art_dir)
     return model.to(device)
+
+
+def pack_model_inplace(model, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"),
+                       fused_groups: tuple[str, ...] = ("q_proj,k_proj,v_proj", "gate_proj,up_proj")):
+    """Quantize (round-to-nearest, shared global scales) and pack every target Linear of ``model`` in memory,
+    on its own device — the same math as ``quantize`` + ``pack`` without writing artifacts. For benchmarks
+    on random-weight models at real shapes; the pipeline proper goes through the stages."""
+    from .quantize import fused_sets, quantized_linears
+
+    linears = quantized_linears(model, targets)
+    by_name = dict(linears)
+    with torch.no_grad():
+        for group in fused_sets(linears, fused_groups):
+            g = nvfp4.fused_global_scale([by_name[n].weight for n in group])
+            for n in group:
+                lin = by_name[n]
+                q = nvfp4.quantize_weight(lin.weight, g)
+                qweight = layout.pack(nvfp4.unpack_nibbles(q["weight_packed"]), q["weight_scale"])
+                bias = None if lin.bias is None else lin.bias.detach()
+                _set_module(model, n, PackedLinear(qweight, q["weight_global_scale"].to(qweight.device),
+                                                   lin.out_features, lin.in_features, bias))
+                lin.weight = None
+    return model

@@ -1,0 +1,54 @@
+"""The rollout engine on CUDA (bf16, packed kernel, CUDA-graph decode). Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_cli.engine import Engine, SamplingConfig
+from qerl_cli.packed_model import pack_model_inplace
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    conf = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.08)
+    m = LlamaForCausalLM(conf).to("cuda", torch.bfloat16).eval()
+    return pack_model_inplace(m)
+
+
+PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
+
+
+def test_cuda_graph_decode_equals_eager(gpu_model):
+    cfg = SamplingConfig(temperature=0, max_new_tokens=24)
+    a = Engine(gpu_model, "cuda", cuda_graph=True).generate(PROMPTS, 2, cfg, 0, set(), 0)
+    b = Engine(gpu_model, "cuda", cuda_graph=False).generate(PROMPTS, 2, cfg, 0, set(), 0)
+    assert a.timings["cuda_graph"] and not b.timings["cuda_graph"]
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_sampled_logprobs_match_teacher_forced_bf16(gpu_model):
+    eng = Engine(gpu_model, "cuda")
+    eng.set_noise(0.02, 1, scope="group", groups=len(PROMPTS), group_size=4)
+    b = eng.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=32), 5, set(), 0)
+    with torch.no_grad():
+        tf = eng.sequence_logprobs(b.prompt_ids, b.completion_ids, b.completion_mask, 1.0, 0, group=4).float().cpu()
+    gap = (tf - b.behaviour_logprobs).abs()[b.completion_mask]
+    # bf16 activations: prefill-with-cache and one-shot forwards round differently; measured bound, see README
+    assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
+
+
+def test_seeded_rollout_reproduces_on_gpu(gpu_model):
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    eng = Engine(gpu_model, "cuda")
+    eng.set_noise(0.05, 9)
+    a = eng.generate(PROMPTS, 3, cfg, 11, set(), 0)
+    eng.set_noise(0.05, 9)
+    b = eng.generate(PROMPTS, 3, cfg, 11, set(), 0)
+    assert torch.equal(a.completion_ids, b.completion_ids)
