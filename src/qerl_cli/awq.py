@@ -297,8 +297,10 @@ def clipped_fake_quantize(weight: torch.Tensor, gscale: torch.Tensor | None = No
                           ratio: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Quantize with :func:`clipped_quantize_weight` and dequantize (fp32); equals
     :func:`qerl_cli.nvfp4.fake_quantize` for ``ratio == 1``."""
-    q = clipped_quantize_weight(weight, gscale, ratio)
-    return nvfp4.dequantize(nvfp4.unpack_nibbles(q["weight_packed"]), q["weight_scale"], q["weight_global_scale"])
+    if gscale is None:
+        gscale = nvfp4.global_scale(weight.float().abs().amax())
+    scales = clipped_block_scales(weight, gscale, ratio)  # codes straight to values: no nibble packing
+    return nvfp4.dequantize(nvfp4.quantize_codes(weight, scales, gscale), scales, gscale)
 
 
 def group_error(x: torch.Tensor, weights: Sequence[torch.Tensor], s: torch.Tensor | None = None,

@@ -122,8 +122,10 @@ def quantize_weight(weight: torch.Tensor, gscale: torch.Tensor | None = None) ->
 
 def fake_quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize then dequantize (fp32 result), exactly the values the checkpoint will hold."""
-    q = quantize_weight(weight, gscale)
-    return dequantize(unpack_nibbles(q["weight_packed"]), q["weight_scale"], q["weight_global_scale"])
+    if gscale is None:
+        gscale = global_scale(weight.float().abs().amax())
+    scales = block_scales(weight, gscale)
+    return dequantize(quantize_codes(weight, scales, gscale), scales, gscale)
 
 
 def fused_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
