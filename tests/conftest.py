@@ -72,3 +72,17 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     return subprocess.run([sys.executable, "-m", "qerl_cli.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    """quantize -> pack -> verify of the tiny model through the Python API, once per session (read-only for tests)."""
+    from qerl_cli.pack import pack
+    from qerl_cli.quantize import quantize
+    from qerl_cli.verify import verify
+
+    root = tmp_path_factory.mktemp("pipeline")
+    quantize(str(tiny_model_dir), root / "quant", progress=False)
+    pack(root / "quant", root / "packed", progress=False)
+    verify(root / "packed", root / "verify", progress=False, device="cpu")
+    return {"model": tiny_model_dir, "quant": root / "quant", "packed": root / "packed", "verify": root / "verify"}

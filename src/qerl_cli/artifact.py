@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from rich.markup import escape
+
 from . import __version__, names, ui
 from .errors import QerlError
 
@@ -49,13 +51,24 @@ def _safe_relpath(rel: str, root: Path) -> Path:
     return root / Path(*p.parts)
 
 
+DIGEST_PREFIX = "sha256:"
+
+
+def tagged(digest: str) -> str:
+    """Digests in manifests name their algorithm: ``sha256:<hex>``."""
+    return digest if digest.startswith(DIGEST_PREFIX) else DIGEST_PREFIX + digest
+
+
 @dataclass(frozen=True)
 class Input:
-    """One input of a stage, as recorded in the manifest."""
+    """One input of a stage, as recorded in the manifest (its digest is stored as ``sha256:<hex>``)."""
 
     kind: str
     path: str
     digest: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "digest", tagged(self.digest))
 
     def as_dict(self) -> dict:
         return {names.K_KIND: self.kind, names.K_PATH: self.path, names.K_DIGEST: self.digest}
@@ -165,14 +178,14 @@ def cache_key(kind: str, config: dict, inputs: list[Input]) -> str:
         "config": {k: v for k, v in config.items() if k not in names.COSMETIC_FIELDS},
         "inputs": sorted(i.digest for i in inputs),
     }
-    return sha256_json(material)
+    return tagged(sha256_json(material))
 
 
 def _digest(key: str, files: list[dict]) -> str:
     h = hashlib.sha256(key.encode())
     for f in sorted(files, key=lambda e: e[names.K_PATH]):
         h.update(f"{f[names.K_PATH]}:{f[names.K_SHA256]}".encode())
-    return h.hexdigest()
+    return tagged(h.hexdigest())
 
 
 def _list_files(root: Path) -> list[dict]:
@@ -187,7 +200,8 @@ def _list_files(root: Path) -> list[dict]:
 
 
 def _sweep_stale_temporaries(out: Path) -> None:
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
+    """Remove temporaries (and replaced outputs) left by stages that were killed."""
+    for p in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
         try:
             pid = int(p.name.rsplit("-", 2)[-2])
         except (ValueError, IndexError):
@@ -240,7 +254,8 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
             if manifest is not None and not force and manifest[names.K_KEY] == key:
                 problem = verify_files(out, manifest)
                 if problem is None:
-                    ui.info(f"[green]{kind}[/]: {out} is up to date (cached); nothing to do. Use --force to recompute.")
+                    ui.info(f"[green]{kind}[/]: {escape(str(out))} is up to date (cached); nothing to do. "
+                            "Use --force to recompute.")
                     return Artifact(out, manifest)
                 raise QerlError(f"{out} holds this {kind} artifact but {problem}; rerun with --force to recompute it.")
             if not force:

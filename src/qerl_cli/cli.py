@@ -184,6 +184,58 @@ def rollout_cmd(
             config_file=config, force=force, progress=progress)
 
 
+@app.command("evaluate")
+def evaluate_cmd(
+    source: Annotated[str, typer.Argument(help="packed or quant artifact, or a model (HF dir, .gguf, 'smollm2-135m-instruct').")],
+    output: Output,
+    data: Annotated[str, typer.Option("--data", help="GSM8K-style jsonl (question/answer), a HF dataset, or arith:N (held-out split).")],
+    adapter: Annotated[Optional[Path], typer.Option("--adapter", help="LoRA adapter directory (PEFT format).")] = None,
+    num_examples: Annotated[Optional[int], typer.Option("--num-examples", "-n", help="First N problems (0 = all).")] = None,
+    samples: Annotated[Optional[int], typer.Option("--samples", "-k", help="Completions per problem (mean@k, pass@k).")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy.")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens")] = None,
+    sigma: Annotated[Optional[float], typer.Option("--sigma", help="AQN at evaluation (off unless given).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+    verify_dir: Annotated[Optional[Path], typer.Option("--verify", help="verify artifact of a pack (default: PACKED/../verify).")] = None,
+    skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Evaluate an unverified pack (recorded).")] = False,
+    config: ConfigFile = None,
+    force: Force = False,
+    progress: Progress = True,
+) -> None:
+    """Accuracy of a declared deployment policy, per example, with a 95% Wilson interval (an `eval` artifact).
+
+    Examples:
+
+        qerl evaluate smollm2-135m-instruct --data ../shared/data/gsm8k/test.jsonl -n 200 -o out/eval-bf16
+
+        qerl evaluate out/packed --adapter out/run/step-00000100/adapter --data arith:500 -o out/eval-run
+    """
+    from .evaluate import evaluate
+
+    evaluate(source, data, output, adapter=adapter, num_examples=num_examples, samples=samples,
+             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, sigma=sigma, seed=seed,
+             verify_dir=verify_dir, skip_verify=skip_verify, config_file=config, force=force, progress=progress)
+
+
+@app.command("report")
+def report_cmd(
+    artifacts: Annotated[list[Path], typer.Argument(help="eval artifacts; the first is the baseline of the paired tests.")],
+    output: Output,
+    force: Force = False,
+) -> None:
+    """Compare eval artifacts: accuracy ± CI, exact McNemar and paired bootstrap on shared examples, time,
+    tokens, memory (report.md + report.json).
+
+    Example:
+
+        qerl report out/eval-bf16 out/eval-rtn out/eval-awq -o out/report
+    """
+    from .report import report
+
+    report(artifacts, output, force=force)
+
+
 def _on_sigterm(signum, frame):  # turn a polite kill into an exception so temporaries are cleaned up
     raise KeyboardInterrupt
 

@@ -7,6 +7,7 @@ validates the merged values in ``__post_init__`` and collects every problem into
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -67,17 +68,29 @@ def load(stage: str, cls: type[C], config_file: str | Path | None = None, overri
         raise QerlError(f"invalid {stage} config: {e}") from None
 
 
+_SCALARS = {"float": float, "int": int, "bool": bool, "str": str}
+
+
+def _scalar_ok(value: Any, t: str) -> bool:
+    if t == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, _SCALARS[t])
+
+
 def _coerce(stage: str, name: str, value: Any, typ: Any) -> Any:
     t = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
-    if t == "float" and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if t == "tuple[float, ...]" and isinstance(value, list):
-        return tuple(float(v) for v in value)
-    if t == "tuple[int, ...]" and isinstance(value, list):
-        return tuple(int(v) for v in value)
-    expected = {"float": float, "int": int, "bool": bool, "str": str}.get(t)
-    if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
-        raise QerlError(f"{stage} parameter '{name}' must be a {t}, got {value!r}.")
+    m = re.fullmatch(r"tuple\[(\w+), \.\.\.\]", t)
+    if m and m.group(1) in _SCALARS:
+        el = m.group(1)
+        if not isinstance(value, list) or not all(_scalar_ok(v, el) for v in value):
+            raise QerlError(f"{stage} parameter '{name}' must be a list of {el}s, got {value!r}.")
+        return tuple(float(v) if el == "float" else v for v in value)
+    if t in _SCALARS:
+        if not _scalar_ok(value, t):
+            raise QerlError(f"{stage} parameter '{name}' must be a {t}, got {value!r}.")
+        return float(value) if t == "float" else value
     return value
 
 

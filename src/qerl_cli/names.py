@@ -16,7 +16,21 @@ QUANT_REPORT = "quant.json"
 ROLLOUT_TENSORS = "rollout.safetensors"
 ROLLOUT_SAMPLES = "samples.jsonl"
 ROLLOUT_META = "rollout.json"
+EVAL_EXAMPLES = "examples.jsonl"
+EVAL_SUMMARY = "summary.json"
+REPORT_MD = "report.md"
+REPORT_JSON = "report.json"
 FOLDING = "awq_folding.safetensors"  # per folded module: the s its weight was divided by
+# run (train) artifacts
+RUN_CONFIG = "train_config.json"  # resolved config, inputs, policy, definitions; written first
+RUN_METRICS = "metrics.jsonl"  # one JSON object per completed step
+STEP_DIR = "step-{:08d}"  # a checkpoint, written atomically (temporary sibling + rename)
+STEP_DIR_GLOB = "step-" + "[0-9]" * 8
+OPTIMIZER_STATE = "optimizer.safetensors"
+TRAINER_STATE = "trainer_state.json"  # step, data cursor, optimizer param groups
+RNG_STATE = "rng.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT format
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 # Artifact kinds (one per stage, plus the source model as an input kind).
 KIND_MODEL = "model"
@@ -25,6 +39,9 @@ KIND_QUANT = "quant"
 KIND_PACKED = "packed"
 KIND_VERIFY = "verify"
 KIND_ROLLOUT = "rollout"
+KIND_EVAL = "eval"
+KIND_REPORT = "report"
+KIND_RUN = "run"
 
 # Manifest keys.
 K_SCHEMA = "schema"

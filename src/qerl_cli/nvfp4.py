@@ -55,7 +55,8 @@ def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """fp32 tensor scale ``448 * 6 / amax`` as a shape-[1] tensor (amax of a whole fused set)."""
     amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
     amax = amax.clamp(min=torch.finfo(torch.float32).tiny)
-    return (E4M3_MAX * E2M1_MAX) / amax
+    # an all-zero (or denormal-amax) weight would overflow: 1.0 instead, as compressed-tensors does
+    return torch.nan_to_num((E4M3_MAX * E2M1_MAX) / amax, nan=1.0, posinf=1.0, neginf=1.0)
 
 
 def block_amax(weight: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -103,6 +104,6 @@ def pack(quant: str | Path, output: str | Path, config_file: str | Path | None =
                 "bytes_per_weight": qbytes / qweights}
 
     art = artifact.run_stage(names.KIND_PACKED, output, config.as_dict(cfg), [q.as_input(output)], body, force=force)
-    ui.info(f"packed: {art.path} ({art.metrics.get('linears')} linears, "
+    ui.info(f"packed: {escape(str(art.path))} ({art.metrics.get('linears')} linears, "
             f"{art.metrics.get('bytes_per_weight', 0):.4f} bytes per weight)")
     return art

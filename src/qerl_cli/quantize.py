@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from safetensors.torch import save_file
 
 from . import artifact, config, modelio, names, nvfp4, ui
@@ -180,6 +181,6 @@ def quantize(model: str, output: str | Path, calib: str | Path | None = None, co
 
     art = artifact.run_stage(names.KIND_QUANT, output, config.as_dict(cfg), inputs, body,
                              force=force)
-    ui.info(f"quant: {art.path} ({art.metrics.get('method', cfg.method)}, "
+    ui.info(f"quant: {escape(str(art.path))} ({art.metrics.get('method', cfg.method)}, "
             f"mean relative weight error {art.metrics.get('mean_rel_error', float('nan')):.4f})")
     return art
