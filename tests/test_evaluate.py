@@ -1,0 +1,101 @@
+"""evaluate and report: declared policy, adapter really applied, Wilson intervals, paired comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import SHARED_DATA, run_cli
+from qerl_cli import evaluate, names, pack, quantize, report, stats, verify
+from qerl_cli.errors import QerlError
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    quantize.quantize(str(tiny_model_dir), root / "quant", progress=False)
+    pack.pack(root / "quant", root / "packed", progress=False)
+    verify.verify(root / "packed", root / "verify", progress=False)
+    return root
+
+
+def _adapter(path, scale=1.0):
+    g = torch.Generator().manual_seed(0)
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    t = {}
+    for i in range(2):
+        for mod, (n, k) in {"self_attn.q_proj": (64, 64), "mlp.down_proj": (64, 128)}.items():
+            key = f"base_model.model.model.layers.{i}.{mod}"
+            t[f"{key}.lora_A.weight"] = torch.randn(4, k, generator=g) * scale
+            t[f"{key}.lora_B.weight"] = torch.randn(n, 4, generator=g) * scale
+    save_file(t, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def test_adapter_is_applied_in_evaluation(packed, tmp_path):
+    kw = dict(num_examples=4, max_new_tokens=8, progress=False)
+    a = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "without", **kw)
+    b = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "with", adapter=_adapter(tmp_path / "ad"), **kw)
+    ca = [json.loads(x)["samples"][0]["completion"] for x in a.file(names.EVAL_EXAMPLES).read_text().splitlines()]
+    cb = [json.loads(x)["samples"][0]["completion"] for x in b.file(names.EVAL_EXAMPLES).read_text().splitlines()]
+    assert ca != cb  # the adapter changed what the policy says
+    sa = json.loads(a.file(names.EVAL_SUMMARY).read_text())
+    sb = json.loads(b.file(names.EVAL_SUMMARY).read_text())
+    assert sa["policy"]["adapter_digest"] is None and sb["policy"]["adapter_digest"]
+    assert any(i["kind"] == "adapter" for i in b.inputs)
+    assert sb["policy"]["aqn"] == {"sigma": 0.0, "seed": None}  # AQN off by default
+    assert sb["policy"]["temperature"] == 0.0
+
+
+def test_eval_artifact_contents_and_sources(packed, tmp_path):
+    gsm = str(SHARED_DATA / "gsm8k" / "test.jsonl")
+    a = evaluate.evaluate(packed / "quant", gsm, tmp_path / "q", num_examples=3, max_new_tokens=6, progress=False)
+    assert sorted(f["path"] for f in a.manifest["files"]) == [names.EVAL_EXAMPLES, names.EVAL_SUMMARY]
+    rows = [json.loads(x) for x in a.file(names.EVAL_EXAMPLES).read_text().splitlines()]
+    assert len(rows) == 3 and {"prompt", "gold", "samples", "correct", "pass@1"} <= set(rows[0])
+    assert {"completion", "extracted", "correct", "unparsable", "truncated"} <= set(rows[0]["samples"][0])
+    s = json.loads(a.file(names.EVAL_SUMMARY).read_text())
+    lo, hi = stats.wilson(sum(r["correct"] for r in rows), 3)
+    assert s["accuracy_ci95"] == [lo, hi] and s["policy"]["weights"] == "nvfp4-dequantized"
+    b = evaluate.evaluate(packed / "packed", gsm, tmp_path / "p", num_examples=3, max_new_tokens=6, progress=False)
+    rb = [json.loads(x) for x in b.file(names.EVAL_EXAMPLES).read_text().splitlines()]
+    # the packed model and the dequantized checkpoint are the same function: same greedy completions
+    assert [r["samples"][0]["completion"] for r in rb] == [r["samples"][0]["completion"] for r in rows]
+    k = evaluate.evaluate(packed / "packed", gsm, tmp_path / "k", num_examples=2, samples=3, temperature=1.0,
+                          max_new_tokens=4, progress=False)
+    rk = [json.loads(x) for x in k.file(names.EVAL_EXAMPLES).read_text().splitlines()]
+    assert all(len(r["samples"]) == 3 for r in rk) and "pass@3" in rk[0]
+
+
+def test_report_compares_and_refuses_different_datasets(packed, tmp_path):
+    kw = dict(num_examples=3, max_new_tokens=6, progress=False)
+    a = evaluate.evaluate(packed / "packed", "arith:3", tmp_path / "a", **kw)
+    b = evaluate.evaluate(packed / "quant", "arith:3", tmp_path / "b", **kw)
+    r = report.report([a.path, b.path], tmp_path / "rep")
+    data = json.loads(r.file(names.REPORT_JSON).read_text())
+    assert len(data["evals"]) == 2 and data["paired"][0]["shared_examples"] == 3
+    assert "McNemar" in r.file(names.REPORT_MD).read_text()
+    c = evaluate.evaluate(packed / "packed", str(SHARED_DATA / "gsm8k" / "test.jsonl"), tmp_path / "c", **kw)
+    with pytest.raises(QerlError, match="different datasets"):
+        report.report([a.path, c.path], tmp_path / "rep2")
+    res = run_cli("report", str(a.path), str(c.path), "-o", str(tmp_path / "rep3"))
+    assert res.returncode == 1 and res.stderr.startswith("error:") and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0),
+                                       (1, 20, 0.0089, 0.2361)])
+def test_wilson_known_values(k, n, lo, hi):
+    a, b = stats.wilson(k, n)
+    assert a == pytest.approx(lo, abs=1e-4) and b == pytest.approx(hi, abs=1e-4)
+
+
+def test_mcnemar_and_pass_at_k():
+    assert stats.mcnemar_exact(0, 5) == pytest.approx(0.0625)
+    assert stats.mcnemar_exact(3, 3) == 1.0
+    assert stats.mcnemar_exact(10, 2) == pytest.approx(0.03857421875)
+    assert stats.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert stats.pass_at_k(10, 3, 2) == pytest.approx(1 - (7 * 6) / (10 * 9))
