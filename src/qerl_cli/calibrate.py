@@ -202,7 +202,8 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
     rows: list[dict] = []
     for g in groups:  # scales, folded in order (a later group sees the earlier folds, as quantize applies them)
         x, stats = captures[g.name].result()
-        weights = [layer.get_submodule(n).weight.detach().float() for n in g.linears]
+        # a copy: the folds below change the layer's weights in place, the RTN baseline must not move
+        weights = [layer.get_submodule(n).weight.detach().float().clone() for n in g.linears]
         res = awq.search_scales(x, weights, acfg, stats=stats)
         fold_group(layer, g, res.scales)
         scales[g.name] = res.scales
