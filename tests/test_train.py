@@ -1,0 +1,258 @@
+"""train: LoRA through peft on the packed model, the GRPO loop, the run directory, resume, data parallel, CLI.
+
+A tiny random model never answers an arithmetic question, so the loop tests score completions with a
+stand-in reward (first generated token id even -> 1) that gives informative groups; the real scorer is
+used by the CLI test on SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_cli
+from qerl_cli import artifact, lora, names, rollout, tasks, train
+from qerl_cli.adapter import load_lora
+from qerl_cli.engine import Engine
+from qerl_cli.errors import QerlError
+
+TINY = dict(task="arith:16", steps=4, prompts_per_step=2, group=4, max_new_tokens=6, lr=5e-3, save_every=2,
+            sigma_stages=3, sigma_start=0.05, sigma_end=0.01, progress=False)
+OVR = {"dynamic_sampling": False, "lora_rank": 4, "lora_alpha": 8.0, "batch_prompts": 1}
+
+DIAGNOSTIC_KEYS = {
+    "step", "sigma", "lr", "reward_mean", "reward_std", "accuracy", "informative_fraction", "response_length_mean",
+    "truncation_rate", "parse_failure_rate", "entropy", "ratio_min", "ratio_mean", "ratio_max", "clip_frac_low",
+    "clip_frac_high", "logprob_gap_abs", "grad_norm", "time_rollout_s", "time_logprobs_s", "time_backward_s",
+    "time_optimizer_s", "time_sync_s", "peak_mem_allocated_bytes", "peak_mem_reserved_bytes", "tokens_per_s"}
+
+REWARD_PATCH = '''
+def _fake_score(batch, tok, problems, format_reward):
+    rows = []
+    for r in range(batch.rows):
+        first = int(batch.completion_ids[r, 0])
+        ok = first % 2 == 0
+        rows.append({"prompt": r // batch.group, "sample": r % batch.group, "completion": "",
+                     "finish_reason": batch.finish_reason[r], "tokens": int(batch.completion_mask[r].sum()),
+                     "status": "correct" if ok else "wrong", "reward": 1.0 if ok else 0.0})
+    return rows
+'''
+_ns: dict = {}
+exec(REWARD_PATCH, _ns)
+fake_score = _ns["_fake_score"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared machine: extra intra-op threads only add contention (10x slower here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def reward(monkeypatch):
+    monkeypatch.setattr(rollout, "score_batch", fake_score)
+
+
+def _metrics(run) -> list[dict]:
+    return [json.loads(x) for x in (run / names.RUN_METRICS).read_text().splitlines()]
+
+
+def _deterministic(ms: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(train.NONDETERMINISTIC_METRICS)} for m in ms]
+
+
+def _adapter(d) -> dict[str, torch.Tensor]:
+    return load_file(str(d / names.ADAPTER_WEIGHTS))
+
+
+def test_training_steps_change_loss_and_adapter(tiny_pipeline, tmp_path, reward):
+    run = tmp_path / "run"
+    art = train.train(tiny_pipeline["packed"], run, **TINY, overrides=OVR)
+    assert art.kind == names.KIND_RUN
+    step_files = {names.ADAPTER_CONFIG, names.ADAPTER_WEIGHTS, names.OPTIMIZER_STATE, names.RNG_STATE,
+                  names.TRAINER_STATE}
+    assert sorted(f["path"] for f in art.manifest["files"]) == sorted(
+        [names.RUN_CONFIG, names.RUN_METRICS] + [f"step-0000000{s}/{f}" for s in (2, 4) for f in step_files])
+    assert sorted(p.name for p in run.iterdir()) == sorted([names.MANIFEST, names.RUN_CONFIG, names.RUN_METRICS,
+                                                            "step-00000002", "step-00000004"])
+    ms = _metrics(run)
+    assert [m["step"] for m in ms] == [1, 2, 3, 4]
+    assert DIAGNOSTIC_KEYS <= set(ms[0])
+    assert [m["sigma"] for m in ms] == [0.0, 0.0, pytest.approx(0.05), pytest.approx(0.01)]
+    assert any(m["loss"] != 0 for m in ms) and any(m["informative_fraction"] > 0 for m in ms)
+    assert ms[0]["adapter_norm"] != ms[-1]["adapter_norm"]
+    a2, a4 = _adapter(run / "step-00000002"), _adapter(run / "step-00000004")
+    assert a2.keys() == a4.keys() and len(a2) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    assert any(not torch.equal(a2[k], a4[k]) for k in a2)
+    assert any(k.endswith("lora_B.weight") and a4[k].abs().max() > 0 for k in a4)  # B left its zero init
+    rc = json.loads((run / names.RUN_CONFIG).read_text())
+    assert rc["config"]["objective"] == "clean" and rc["config"]["skip_verify"] is False
+    assert rc["policy"]["weights"] == "nvfp4-packed" and len(rc["sigma_schedule"]) == 4
+    assert "behaviour" in rc["definitions"]["behaviour_logprobs"]
+    # same command again: a cache hit
+    again = train.train(tiny_pipeline["packed"], run, **TINY, overrides=OVR)
+    assert again.digest == art.digest
+
+
+def test_resume_continues_exactly(tiny_pipeline, tmp_path, reward):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.train(tiny_pipeline["packed"], full, **TINY, overrides=OVR)
+    assert train.train(tiny_pipeline["packed"], part, stop_after=3, **TINY, overrides=OVR) is None
+    assert not (part / names.MANIFEST).exists() and len(_metrics(part)) == 3  # step 3 not checkpointed
+    with pytest.raises(QerlError, match="unfinished run"):
+        train.train(tiny_pipeline["packed"], part, **TINY, overrides=OVR)
+    with pytest.raises(QerlError, match="different config"):
+        train.train(tiny_pipeline["packed"], part, resume=True, **(TINY | {"lr": 1e-3}), overrides=OVR)
+    art = train.train(tiny_pipeline["packed"], part, resume=True, **TINY, overrides=OVR)
+    assert art is not None and art.kind == names.KIND_RUN
+    assert _deterministic(_metrics(part)) == _deterministic(_metrics(full))
+    a, b = _adapter(full / "step-00000004"), _adapter(part / "step-00000004")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = (load_file(str(d / "step-00000004" / names.OPTIMIZER_STATE)) for d in (full, part))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa)
+
+
+def test_replay_objective_reproduces_the_behaviour_policy(tiny_pipeline, tmp_path, reward):
+    kw = TINY | {"steps": 2, "sigma_stages": 2, "sigma_start": 0.2, "sigma_end": 0.2, "save_every": 2}
+    ovr = OVR | {"noise_scope": "group", "batch_prompts": 2}
+    clean = train.train(tiny_pipeline["packed"], tmp_path / "clean", **kw, overrides=ovr)
+    replay = train.train(tiny_pipeline["packed"], tmp_path / "replay", objective="replay", **kw, overrides=ovr)
+    mc, mr = _metrics(clean.path)[1], _metrics(replay.path)[1]
+    assert mc["sigma"] == mr["sigma"] == pytest.approx(0.2)
+    # same data (same first step); the replayed forward matches what sampled it, the clean one does not
+    assert mr["logprob_gap_abs"] < 1e-3 < mc["logprob_gap_abs"]
+    assert json.loads((replay.path / names.RUN_CONFIG).read_text())["config"]["objective"] == "replay"
+
+
+def test_peft_adapter_format(tiny_pipeline, tmp_path):
+    """The saved adapter is PEFT format: our engine (packed, LoRA via peft) == our engine (packed, LoRA read
+    from the dir); peft's PeftModel on the bf16 model == our engine on the bf16 model with the adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, tok, _, _ = rollout.load_policy(tiny_pipeline["packed"], "cpu")
+    pm = lora.wrap(model, 4, 8.0, seed=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in lora.trainable(pm):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    assert all(type(m).__name__ == "PackedLoraLinear" for n, m in pm.named_modules() if n.endswith("q_proj"))
+    lora.save_adapter(pm, tmp_path / "ad")
+    assert sorted(p.name for p in (tmp_path / "ad").iterdir()) == [names.ADAPTER_CONFIG, names.ADAPTER_WEIGHTS]
+    ids = torch.tensor([tasks.chat_prompt(tok, "What is 3 + 4?")])
+    key = torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        ours_peft = Engine(pm.get_base_model()).forward(ids, pos, key)
+        plain, _, _, _ = rollout.load_policy(tiny_pipeline["packed"], "cpu")
+        eng = Engine(plain)
+        eng.set_adapter(load_lora(tmp_path / "ad", plain))
+        ours_dir = eng.forward(ids, pos, key)
+    assert torch.allclose(ours_peft, ours_dir, atol=1e-4)
+
+    # the unquantized source model (stored in bf16), run in fp32 so the comparison is tight on CPU
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_pipeline["model"]), dtype=torch.float32)
+    bf_eng = Engine(base)
+    with torch.no_grad():
+        no_ad = bf_eng.forward(ids, pos, key).float()
+        bf_eng.set_adapter(load_lora(tmp_path / "ad", base))
+        with_ad = bf_eng.forward(ids, pos, key).float()
+        peft_logits = PeftModel.from_pretrained(base, str(tmp_path / "ad")).eval()(ids).logits.float()
+    effect = (with_ad - no_ad).abs().max()
+    assert effect > 0.5  # the adapter matters...
+    assert (peft_logits - with_ad).abs().max() < 1e-3 * effect  # ...and peft applies it as we do
+
+
+def test_train_refuses_unverified_and_records_skip(tiny_pipeline, tmp_path, reward):
+    import shutil
+
+    p2 = tmp_path / "p2"
+    shutil.copytree(tiny_pipeline["packed"], p2)
+    with pytest.raises(QerlError, match="has not been verified"):
+        train.train(p2, tmp_path / "run", **TINY, overrides=OVR)
+    assert not (tmp_path / "run").exists()
+    art = train.train(p2, tmp_path / "run", skip_verify=True, **(TINY | {"steps": 1}), overrides=OVR)
+    assert art.config["skip_verify"] is True
+    assert "skipped" in json.loads((art.path / names.RUN_CONFIG).read_text())["policy"]["verify"]
+    with pytest.raises(QerlError, match="invalid train config"):
+        train.train(p2, tmp_path / "bad", skip_verify=True, **(TINY | {"group": 1}), overrides=OVR)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path):
+    script = tmp_path / "dp.py"
+    script.write_text(REWARD_PATCH + textwrap.dedent(f'''
+        import sys
+        from qerl_cli import rollout, train
+        rollout.score_batch = _fake_score
+        train.train({str(tiny_pipeline["packed"])!r}, sys.argv[1], task="arith:16", steps=2, prompts_per_step=4,
+                    group=4, max_new_tokens=6, lr=5e-3, save_every=2, sigma_stages=2, sigma_start=0.05,
+                    sigma_end=0.05, progress=False,
+                    overrides={{"dynamic_sampling": False, "lora_rank": 4, "lora_alpha": 8.0, "batch_prompts": 2,
+                               "num_iterations": 2}})
+    '''))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    single = subprocess.run([sys.executable, str(script), str(tmp_path / "single")], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    dp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script),
+                         str(tmp_path / "dp")], capture_output=True, text=True, env=env, timeout=300)
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    a, b = _adapter(tmp_path / "single" / "step-00000002"), _adapter(tmp_path / "dp" / "step-00000002")
+    assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
+    ms, md = _metrics(tmp_path / "single"), _metrics(tmp_path / "dp")
+    for x, y in zip(ms, md):
+        for k in ("reward_mean", "accuracy", "informative_fraction", "groups_sampled", "response_length_mean"):
+            assert x[k] == pytest.approx(y[k]), k
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-5)
+    rc = json.loads((tmp_path / "dp" / names.RUN_CONFIG).read_text())
+    assert rc["config"]["world_size"] == 2
+    assert not (tmp_path / "dp" / names.MANIFEST).read_text().count("tmp-")
+
+
+def test_cli_smollm2_quantize_pack_verify_train(tmp_path):
+    quant, packed, ver, run = (tmp_path / n for n in ("quant", "packed", "verify", "run"))
+    light = tmp_path / "verify.toml"
+    light.write_text('batch_sizes = [1]\nprompts = ["What is 7 + 5?"]\n')
+    for args in (("quantize", "smollm2-135m-instruct", "-o", str(quant)), ("pack", str(quant), "-o", str(packed)),
+                 ("verify", str(packed), "-o", str(ver), "--config", str(light))):
+        r = run_cli(*args, "--no-progress")
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+    r = run_cli("train", str(packed), "--task", "arith", "--steps", "2", "--prompts-per-step", "2", "-G", "2",
+                "--max-new-tokens", "16", "--save-every", "1", "-o", str(run), "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 2/2" in r.stderr
+    art = artifact.open_artifact(run, names.KIND_RUN)
+    assert art.config["group"] == 2 and art.config["lora_rank"] == 32
+    ms = _metrics(run)
+    assert len(ms) == 2 and DIAGNOSTIC_KEYS <= set(ms[1])
+    assert {"step-00000001", "step-00000002"} <= {p.name for p in run.iterdir()}
+    assert sorted(load_lora(run / "step-00000002", _tiny_shapes(packed)).factors)[:1]
+    # unfinished run without --resume, then a wrong kind: one clear sentence, exit 1
+    r = run_cli("train", str(quant), "--task", "arith", "-o", str(tmp_path / "x"), "--no-progress")
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "'quant' artifact" in " ".join(r.stderr.split())
+
+
+def _tiny_shapes(packed):
+    from qerl_cli.packed_model import load_packed_model
+
+    return load_packed_model(artifact.open_artifact(packed, names.KIND_PACKED))
