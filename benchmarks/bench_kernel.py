@@ -1,0 +1,198 @@
+"""NVFP4 x BF16 kernel vs cuBLAS bf16 (torch.matmul) on Qwen2.5-7B / -32B linear shapes, one GPU run.
+
+For every shape and M it times, side by side in the same process with CUDA events over CUDA-graph replays
+(launch overhead out of both), our ``kernel.linear`` and ``torch.matmul(x, W_bf16.t())``, rotating over
+several weight copies so that the 50 MB L2 does not serve repeats. It also measures device-to-device copy
+bandwidth, the ceiling for the "% of copy" column (weight bytes = 9/16 byte per weight over our time).
+
+    PYTHONPATH=src python benchmarks/bench_kernel.py [--json benchmarks/results/kernel_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from qerl_cli import kernel, layout  # noqa: E402
+
+MODELS = {
+    # name: (hidden, intermediate, heads, kv_heads, head_dim)
+    "qwen2.5-7b": (3584, 18944, 28, 4, 128),
+    "qwen2.5-32b": (5120, 27648, 40, 8, 128),
+}
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+L2_BYTES = 50 * 2**20
+
+
+def shapes(model: str) -> list[tuple[str, int, int]]:
+    h, inter, nh, nkv, hd = MODELS[model]
+    return [("qkv", (nh + 2 * nkv) * hd, h), ("o", h, nh * hd), ("gate_up", 2 * inter, h), ("down", h, inter)]
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (median of reps)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a.random_(0, 255)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(ts)
+
+
+def time_graph(fn, ncopies: int, calls: int, reps: int = 5) -> float:
+    """Median seconds per call of fn(i) (i cycles over the copies), captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(ncopies, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i % ncopies)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3 / calls)
+    del g
+    return statistics.median(ts)
+
+
+def random_packed(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A valid packed weight with random codes and positive normal e4m3 scales (speed ignores values)."""
+    np_, kp = layout.padded_shape(n, k)
+    q = torch.randint(0, 256, (np_ // 16, kp // 64, layout.RECORD_BYTES), dtype=torch.uint8, device="cuda",
+                      generator=gen)
+    q[..., layout.CODE_BYTES:] = torch.randint(0x30, 0x50, (np_ // 16, kp // 64, layout.SCALE_BYTES),
+                                               dtype=torch.uint8, device="cuda", generator=gen)
+    return q
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "kernel_h200.json"))
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--both-paths-from", type=int, default=32,
+                    help="also time the mma kernel and dequantize+cuBLAS separately for M >= this (<= 1024)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernel: needs a CUDA device", file=sys.stderr)
+        return 2
+    if not kernel.available():
+        print(f"bench_kernel: CUDA extension unavailable: {kernel.build_error()}", file=sys.stderr)
+        return 2
+    ext = kernel._load()
+    ms = [int(v) for v in args.ms.split(",")]
+    dev = torch.cuda.get_device_properties(0)
+    t_start = time.time()
+    copy_bw = copy_bandwidth()
+    print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}; "
+          f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write); large-M threshold {kernel.large_m_threshold()}",
+          flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for model in args.models.split(","):
+        for layer, n, k in shapes(model):
+            packed_bytes = layout.padded_shape(n, k)[0] * layout.padded_shape(n, k)[1] * 9 // 16
+            weight_bytes = n * k * 9 / 16
+            bf16_bytes = n * k * 2
+            cq = max(2, math.ceil(4 * L2_BYTES / packed_bytes))
+            cb = max(2, math.ceil(4 * L2_BYTES / bf16_bytes))
+            qws = [random_packed(n, k, gen) for _ in range(cq)]
+            gs = torch.tensor([2000.0], device="cuda")
+            wbs = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(cb)]
+            w32 = layout.dequantize(qws[0], gs, n, k, torch.float32)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                out_b = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                # correctness spot check on fresh inputs, poisoned output
+                out.fill_(float("nan"))
+                kernel.linear(x, qws[0], gs, n, k, out=out)
+                path = kernel.last_backend()
+                ref = x.float() @ w32.t() if m <= 1024 else None
+                err = float((out.float() - ref).norm() / ref.norm()) if ref is not None else None
+                nan = bool(torch.isnan(out).any())
+                del ref
+                calls_target = 24 if m <= 256 else 6
+                ours = time_graph(lambda i: kernel.linear(x, qws[i], gs, n, k, out=out), cq,
+                                  cq * math.ceil(calls_target / cq))
+                cublas = time_graph(lambda i: torch.mm(x, wbs[i].t(), out=out_b), cb, cb * math.ceil(calls_target / cb))
+                row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "path": path,
+                       "ours_us": ours * 1e6, "cublas_us": cublas * 1e6, "speedup": cublas / ours,
+                       "weight_gbps": weight_bytes / ours / 1e9, "pct_copy_bw": 100 * weight_bytes / ours / copy_bw,
+                       "tflops": 2 * m * n * k / ours / 1e12, "cublas_tflops": 2 * m * n * k / cublas / 1e12,
+                       "rel_err": err, "nan": nan}
+                if args.both_paths_from <= m <= 1024:
+                    row["mma_us"] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0), cq,
+                                                     cq * math.ceil(calls_target / cq))
+                    row["dequant_cublas_us"] = 1e6 * time_graph(
+                        lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
+                if m <= 16:  # the alternative small-M configuration (tuning data)
+                    ext.set_variant(1)
+                    row["alt_variant_us"] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
+                                                             cq, cq * math.ceil(calls_target / cq))
+                    ext.set_variant(0)
+                rows.append(row)
+                alt = (f"  mma {row['mma_us']:8.1f}  deq+cublas {row['dequant_cublas_us']:8.1f}"
+                       if "mma_us" in row else "")
+                alt += f"  alt {row['alt_variant_us']:6.1f}" if "alt_variant_us" in row else ""
+                print(f"{model:12s} {layer:8s} {n:6d} {k:6d} {m:5d} {path:20s} ours {row['ours_us']:9.1f} us  "
+                      f"cublas {row['cublas_us']:9.1f} us  x{row['speedup']:5.2f}  {row['weight_gbps']:7.0f} GB/s "
+                      f"({row['pct_copy_bw']:5.1f}%)  {row['tflops']:6.1f} TF/s  err {err if err is None else f'{err:.1e}'}"
+                      f"{alt}", flush=True)
+                del x, out, out_b
+            del qws, wbs, w32
+            torch.cuda.empty_cache()
+    result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+              "cuda": torch.version.cuda, "host": platform.node(), "copy_bw_bytes_per_s": copy_bw,
+              "large_m_threshold": kernel.large_m_threshold(), "timing": "median of 5 CUDA-graph replays, "
+              "weights rotated over copies totalling >= 200 MB; ours = kernel.linear (auto path)",
+              "wall_s": time.time() - t_start, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print_table(result)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}: copy bandwidth {result['copy_bw_bytes_per_s'] / 1e12:.2f} TB/s")
+    hdr = "| model | layer | N | K | M | path | ours µs | cuBLAS µs | speed-up | GB/s | % copy | TFLOP/s |"
+    print(hdr)
+    print("|" + "---|" * (hdr.count("|") - 1))
+    for r in result["rows"]:
+        path = "mma" if r["path"] == kernel.BACKEND_KERNEL else "deq+cuBLAS"
+        print(f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {path} | {r['ours_us']:.1f} | "
+              f"{r['cublas_us']:.1f} | {r['speedup']:.2f} | {r['weight_gbps']:.0f} | {r['pct_copy_bw']:.0f} | "
+              f"{r['tflops']:.1f} |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,631 @@
+// NVFP4 (E2M1 codes + e4m3 scale per 16 inputs + fp32 tensor scale G, a divisor) x BF16 kernels.
+//
+// Reads the packed layout of src/qerl_cli/layout.py ("qerl-nvfp4-tile16x64-v1"):
+//   qweight uint8 [N_pad/16, K_pad/64, 576]: one record per 16 output rows x 64 inputs,
+//   bytes [0,512): codes; lane L (g = L>>2, t = L&3) owns bytes [16L, 16L+16) = four uint32 words,
+//   word j for inputs 16j..16j+15 of the tile; nibble i = p + 4h of a word is the mma.m16n8k16
+//   A-fragment element (register p, half h): p=0 (row g, col 2t+h), p=1 (row g+8, col 2t+h),
+//   p=2 (row g, col 2t+8+h), p=3 (row g+8, col 2t+8+h).
+//   bytes [512,576): e4m3 scales, byte 512 + 8g + 2j + r = scale of row g+8r, 16-input group j.
+//
+// Kernels
+//   * nvfp4_mma_kernel  (small M, decode): out^T = W x^T with the weight tile as the A operand of
+//     mma.sync.m16n8k16 (bf16 in, fp32 accumulate) and activations (tokens) as the 8 B columns.
+//     E2M1 -> bf16 in registers: the sign / exponent / mantissa bits of each code are dropped into a
+//     bf16's sign, low exponent bits and top mantissa bit, which yields value * 2^-126 (the 0.5
+//     subnormal included); the e4m3 block scale is converted to bf16 as s * 2^64 (exact), one
+//     bf16x2 multiply per fragment register gives value * s * 2^-62 exactly (a product of a
+//     2-bit and a 4-bit significand), and the fp32 factor 2^62 / G is applied when the
+//     result is written. Block scales are taken as non-negative (their sign bit is ignored: the quantizer
+//     never writes negative scales). Split-K partial sums go to an fp32 workspace; the last CTA of a row group
+//     (ticket counter, self-resetting) reduces them in a fixed order and writes bf16.
+//   * nvfp4_dequant_kernel: dense [N, K] weight (bf16 / fp16 / fp32), bit-exact with the torch
+//     reference (fp32 value * (float(s) / G), rounded once); used with cuBLAS for large M and for the
+//     transposed product g @ W.
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#ifndef QERL_NO_TORCH
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+#endif
+
+namespace qerl {
+
+constexpr int kRecordBytes = 576;
+constexpr int kCodeBytes = 512;
+constexpr int kWarps = 4;          // warps per CTA of the mma kernel
+constexpr int kSliceTokens = 64;   // tokens per CTA (largest TG = 8 token groups of 8)
+
+struct WTile {
+  uint4 c;  // this lane's 16 code bytes (4 words, one per 16-input sub-tile)
+  uint2 s;  // the 8 scale bytes of this lane's row group g
+};
+
+__device__ __forceinline__ void load_tile(WTile& w, const uint8_t* rec, int lane) {
+  const uint8_t* pc = rec + 16 * lane;
+  const uint8_t* ps = rec + kCodeBytes + 8 * (lane >> 2);
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(w.c.x), "=r"(w.c.y), "=r"(w.c.z), "=r"(w.c.w)
+               : "l"(pc));
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+               : "=r"(w.s.x), "=r"(w.s.y)
+               : "l"(ps));
+}
+
+__device__ __forceinline__ uint32_t bf2u(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 u2bf(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// Fragment register P (two E2M1 codes, low half = smaller column) of a code word -> bf16x2 holding
+// value * 2^-126. src is the word for P = 0, 1 and the word >> 8 for P = 2, 3. The isolated nibble pair
+// times (2^(12-4q) + 2^(6-4q)) puts the sign at bit 15 and e1 e0 m at bits 8..6 of each half (the two
+// shifted copies occupy disjoint bits, so the product has no carries); the mask drops the rest.
+template <int Q>
+__device__ __forceinline__ uint32_t e2m1x2_bits(uint32_t src) {
+  constexpr uint32_t kMask = 0x000F000Fu << (4 * Q);
+  constexpr uint32_t kMul = Q == 0 ? ((1u << 12) + (1u << 6)) : ((1u << 8) + (1u << 2));
+  return ((src & kMask) * kMul) & 0x81C081C0u;
+}
+
+// Two e4m3 scales (bytes 2jj, 2jj+1 of sw: rows g and g+8) -> bf16x2 {s_g, s_g8} * 2^64, exact.
+// (b & 0x7f) << 4 as bf16 bits is s * 2^-120 (e4m3 subnormals become bf16 subnormals, also exact);
+// two bf16 multiplies by 2^120 and 2^64 (exact powers of two; bf16 mul keeps subnormal inputs).
+template <int JJ>
+__device__ __forceinline__ __nv_bfloat162 scale_pair(uint32_t sw7f) {
+  // sw7f: the 4 scale bytes of two groups with the (always clear) sign bits masked off
+  constexpr uint32_t sel = (2 * JJ) | (4 << 4) | ((2 * JJ + 1) << 8) | (4 << 12);
+  const uint32_t t = __byte_perm(sw7f, 0u, sel) << 4;
+  const __nv_bfloat162 k120 = u2bf(0x7B807B80u);  // 2^120
+  const __nv_bfloat162 k64 = u2bf(0x5F805F80u);   // 2^64
+  return __hmul2(__hmul2(u2bf(t), k120), k64);
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t saddr, const void* g, bool valid) {
+  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// TG: token groups of 8 per CTA (M_slice <= 8*TG); R: row blocks (16 rows) per warp; D: K tiles of weight
+// loads in flight per warp; KCH: K tiles of activations staged in shared memory per chunk; NACC: accumulator
+// sets (2 splits the dependent mma chain when R*TG is small).
+template <int TG, int R, int D, int KCH, int NACC, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
+    __nv_bfloat16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+    int NT, int KT, int S, int tiles_per_split) {
+  constexpr int MP = 8 * TG;           // token rows staged
+  constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
+  extern __shared__ __align__(16) __nv_bfloat16 xs[];
+  __shared__ int s_last;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int slice = blockIdx.x, rg = blockIdx.y, split = blockIdx.z;
+  const int tok0 = slice * kSliceTokens;
+  const int mslice = min(M - tok0, MP);
+  // staged rows: the valid tokens plus one zero row that the ldmatrix lanes of absent tokens read
+  const int rows_alloc = mslice < MP ? mslice + 1 : MP;
+  const int CHUNK = rows_alloc * LDX;  // elements per buffer
+
+  const int kt0 = split * tiles_per_split;
+  const int kt1 = min(KT, kt0 + tiles_per_split);
+  const int nchunks = (kt1 - kt0 + KCH - 1) / KCH;
+
+  int rb[R];
+  const uint8_t* rec[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    rb[r] = (rg * kWarps + warp) * R + r;
+    rec[r] = qw + (size_t)min(rb[r], NT - 1) * KT * kRecordBytes;
+  }
+
+  // weight prefetch: tiles kt0 .. kt0 + D - 1
+  WTile wr[D][R];
+#pragma unroll
+  for (int d = 0; d < D; ++d)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (kt0 + d < kt1) load_tile(wr[d][r], rec[r] + (size_t)(kt0 + d) * kRecordBytes, lane);
+
+  const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+  // the zero row (index mslice) of both buffers; cp.async only ever writes rows < mslice
+  if (mslice < MP) {
+    for (int i = tid; i < 2 * (LDX / 8); i += kWarps * 32)
+      *reinterpret_cast<uint4*>(xs + (i / (LDX / 8)) * CHUNK + mslice * LDX + (i % (LDX / 8)) * 8) =
+          make_uint4(0, 0, 0, 0);
+  }
+  // per token group: this lane's ldmatrix row (token (lane & 7), or the zero row) and 8-input column block
+  uint32_t lrow_off[TG];
+#pragma unroll
+  for (int q = 0; q < TG; ++q)
+    lrow_off[q] = (uint32_t)((min(q * 8 + (lane & 7), mslice) * LDX + 8 * (lane >> 3)) * 2);
+  auto stage = [&](int c) {
+    const int kb = (kt0 + c * KCH) * 64;  // first input of the chunk
+    const uint32_t sb = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
+    const int segs = mslice * KCH * 8;   // 16-byte segments of the valid rows
+    for (int i = tid; i < segs; i += kWarps * 32) {
+      const int m = i / (KCH * 8), sgi = i % (KCH * 8);
+      const int kk = kb + sgi * 8;
+      const bool valid = kk < K;
+      const __nv_bfloat16* src = valid ? x + (size_t)(tok0 + m) * K + kk : x;
+      cp_async16(sb + (uint32_t)((m * LDX + sgi * 8) * 2), src, valid);
+    }
+    cp_async_commit();
+  };
+
+  float acc[NACC][R][TG][4];
+#pragma unroll
+  for (int a = 0; a < NACC; ++a)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int q = 0; q < TG; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[a][r][q][i] = 0.f;
+
+  // one 16x64 tile per row block: dequantize the A fragments in registers, 2 ldmatrix.x4 + 4 mma per token group
+  auto compute = [&](const WTile (&cur)[R], uint32_t lrow, int ktl) {
+#pragma unroll
+    for (int jp = 0; jp < 2; ++jp) {
+      uint32_t a[R][2][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t sw = (jp == 0 ? cur[r].s.x : cur[r].s.y) & 0x7F7F7F7Fu;
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * jp + jj;
+          const uint32_t w = j == 0 ? cur[r].c.x : j == 1 ? cur[r].c.y : j == 2 ? cur[r].c.z : cur[r].c.w;
+          const uint32_t w8 = w >> 8;
+          const __nv_bfloat162 s2 = jj == 0 ? scale_pair<0>(sw) : scale_pair<1>(sw);
+          const __nv_bfloat162 s_lo = __low2bfloat162(s2);   // row g
+          const __nv_bfloat162 s_hi = __high2bfloat162(s2);  // row g + 8
+          a[r][jj][0] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w)), s_lo));
+          a[r][jj][1] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w)), s_hi));
+          a[r][jj][2] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w8)), s_lo));
+          a[r][jj][3] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w8)), s_hi));
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < TG; ++q) {
+        uint32_t b[4];
+        ldmatrix_x4(b, lrow + lrow_off[q] + (uint32_t)((ktl * 64 + 32 * jp) * 2));
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          mma_bf16(acc[jp % NACC][r][q], a[r][0], b[0], b[1]);
+          mma_bf16(acc[jp % NACC][r][q], a[r][1], b[2], b[3]);
+        }
+      }
+    }
+  };
+
+  stage(0);
+  for (int c = 0; c < nchunks; ++c) {
+    if (c + 1 < nchunks) {
+      stage(c + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const uint32_t sb = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
+    const uint32_t lrow = sb;
+    const int cbase = kt0 + c * KCH;
+    const uint8_t* base[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) base[r] = rec[r] + (size_t)cbase * kRecordBytes;
+    if (cbase + KCH + D <= kt1) {
+      // full chunk: every prefetch is in range; constant offsets, no per-tile checks
+#pragma unroll
+      for (int i = 0; i < KCH; ++i) {
+        WTile cur[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          cur[r] = wr[i % D][r];
+          load_tile(wr[i % D][r], base[r] + (i + D) * kRecordBytes, lane);
+        }
+        compute(cur, lrow, i);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < KCH; ++i) {
+        const int kt = cbase + i;
+        WTile cur[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) cur[r] = wr[i % D][r];
+        if (kt + D < kt1) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) load_tile(wr[i % D][r], base[r] + (i + D) * kRecordBytes, lane);
+        }
+        if (kt < kt1) compute(cur, lrow, i);
+      }
+    }
+    __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
+  }
+
+  const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int q = 0; q < TG; ++q) {
+      float v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] = acc[0][r][q][i];
+#pragma unroll
+        for (int a = 1; a < NACC; ++a) v[i] += acc[a][r][q][i];
+      }
+      const bool rowblock_ok = rb[r] < NT;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = rb[r] * 16 + g + 8 * (i >> 1);
+        const int m = q * 8 + 2 * t + (i & 1);
+        if (rowblock_ok && n < N && m < mslice) {
+          if (S == 1)
+            out[(size_t)(tok0 + m) * N + n] = __float2bfloat16_rn(v[i] * alpha);
+          else
+            ws[((size_t)split * M + tok0 + m) * N + n] = v[i];
+        }
+      }
+    }
+  }
+  if (S == 1) return;
+
+  // split-K: the last CTA of this (row group, slice) sums the S partials in split order
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int prev = atomicAdd(&counters[rg * gridDim.x + slice], 1);
+    s_last = (prev == S - 1);
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  constexpr int ROWS = kWarps * R * 16;
+  const int n0 = rg * ROWS;
+  const int nrows = min(ROWS, N - n0);
+  for (int i = tid; i < mslice * ROWS; i += kWarps * 32) {
+    const int m = i / ROWS, nn = i % ROWS;
+    if (nn >= nrows) continue;
+    const size_t o = (size_t)(tok0 + m) * N + n0 + nn;
+    float sum = 0.f;
+    for (int s = 0; s < S; ++s) sum += __ldcg(ws + (size_t)s * M * N + o);
+    out[o] = __float2bfloat16_rn(sum * alpha);
+  }
+  if (tid == 0) counters[rg * gridDim.x + slice] = 0;  // ready for the next launch on this stream
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// dense dequantization: one CTA = one row block x 8 K tiles (one record per warp), staged through shared
+// memory so the [N, K] output is written with coalesced 16-byte stores.
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float a, float b);
+template <>
+__device__ __forceinline__ void store2<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store2<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+
+__device__ __forceinline__ float e4m3_to_float(uint32_t b) {
+  // exponent/mantissa bits placed at fp32 bits 30..20: s * 2^-120 (fp32 subnormal for e4m3 subnormals)
+  return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
+}
+__device__ __forceinline__ float e2m1_to_float(uint32_t c) {
+  return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 0x1p126f;
+}
+
+constexpr int kDqTiles = 8;  // K tiles per CTA
+
+template <typename T>
+__global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __restrict__ qw,
+                                                            const float* __restrict__ gscale,
+                                                            T* __restrict__ out, int N, int K, int NT, int KT) {
+  constexpr int E = 16 / sizeof(T);          // elements per 16-byte store
+  constexpr int LD = kDqTiles * 64 + E;      // padded smem row
+  __shared__ __align__(16) T tile[16 * LD];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int rb = blockIdx.y, kt0 = blockIdx.x * kDqTiles;
+  const int kt = kt0 + warp;
+  if (kt < KT) {
+    const uint8_t* rec = qw + ((size_t)rb * KT + kt) * kRecordBytes;
+    const uint4 c = *reinterpret_cast<const uint4*>(rec + 16 * lane);
+    const uint2 s = *reinterpret_cast<const uint2*>(rec + kCodeBytes + 8 * g);
+    const float G = __ldg(gscale);
+    const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t sw = j < 2 ? s.x : s.y;
+      const float sg0 = __fdiv_rn(e4m3_to_float((sw >> (16 * (j & 1))) & 0xFFu), G);      // row g
+      const float sg1 = __fdiv_rn(e4m3_to_float((sw >> (16 * (j & 1) + 8)) & 0xFFu), G);  // row g + 8
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const float sg = (p & 1) ? sg1 : sg0;
+        const float v0 = e2m1_to_float(words[j] >> (4 * p)) * sg;         // h = 0
+        const float v1 = e2m1_to_float(words[j] >> (4 * p + 16)) * sg;    // h = 1
+        const int row = g + 8 * (p & 1);
+        const int col = warp * 64 + 16 * j + 2 * t + 8 * (p >> 1);
+        store2<T>(&tile[row * LD + col], v0, v1);
+      }
+    }
+  }
+  __syncthreads();
+  const int ncols = min(kDqTiles * 64, K - kt0 * 64);
+  const int nrows = min(16, N - rb * 16);
+  constexpr int CPR = kDqTiles * 64 / E;  // 16-byte chunks per row
+  for (int i = tid; i < 16 * CPR; i += 256) {
+    const int row = i / CPR, col = (i % CPR) * E;
+    if (row < nrows && col < ncols)
+      *reinterpret_cast<uint4*>(out + (size_t)(rb * 16 + row) * K + kt0 * 64 + col) =
+          *reinterpret_cast<const uint4*>(&tile[row * LD + col]);
+  }
+}
+
+#define QERL_MMA_CONFIGS(X) \
+  X(1, 1, 6, 12, 2, 6)            \
+  X(1, 1, 4, 8, 2, 7)             \
+  X(2, 1, 8, 16, 2, 3)            \
+  X(2, 2, 4, 8, 1, 3)             \
+  X(4, 2, 4, 8, 1, 3)             \
+  X(8, 1, 2, 4, 1, 3)
+
+#ifdef QERL_NO_TORCH
+// explicit instances for a stand-alone `nvcc -Xptxas -v` resource report
+#define QERL_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                             \
+  template __global__ void nvfp4_mma_kernel<TG, R, D, KCH, NACC, MINB>(const __nv_bfloat16*, const uint8_t*,      \
+                                                                 const float*, __nv_bfloat16*, float*, int*, \
+                                                                 int, int, int, int, int, int, int);
+QERL_MMA_CONFIGS(QERL_INSTANCE)
+template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
+                                                              int, int, int);
+template __global__ void nvfp4_dequant_kernel<float>(const uint8_t*, const float*, float*, int, int, int, int);
+#endif
+
+}  // namespace qerl
+
+#ifndef QERL_NO_TORCH
+// ---------------------------------------------------------------------------------------------------------
+// host side
+namespace qerl {
+
+constexpr int kNumSMsDefault = 132;
+static int64_t g_large_m_threshold = 64;  // M above this: dequantize + cuBLAS
+static int g_variant = 0;
+
+struct SmallCfg {
+  int tg, r, kch;
+};
+
+static int num_sms(int dev) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  int v = kNumSMsDefault;
+  cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+  cache[dev] = v;
+  return v;
+}
+
+// one self-resetting ticket buffer per (device, stream): split-K launches on one stream are serialized
+static int* counters_for(const at::Tensor& like, int64_t needed) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  const int dev = like.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_pair(dev, stream);
+  auto it = cache.find(key);
+  if (it == cache.end() || it->second.numel() < needed) {
+    int64_t n = std::max<int64_t>(needed, 4096);
+    cache[key] = at::zeros({n}, like.options().dtype(at::kInt));
+    it = cache.find(key);
+  }
+  return it->second.data_ptr<int>();
+}
+
+static void check_packed(const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k) {
+  TORCH_CHECK(qw.is_cuda() && gs.is_cuda(), "qerl: qweight and global_scale must be CUDA tensors");
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == kRecordBytes,
+              "qerl: qweight must be uint8 [N_pad/16, K_pad/64, 576], got ", qw.sizes());
+  TORCH_CHECK(qw.is_contiguous(), "qerl: qweight must be contiguous");
+  TORCH_CHECK(n > 0 && k > 0 && k % 16 == 0, "qerl: need n > 0 and k a positive multiple of 16, got ", n, ", ", k);
+  TORCH_CHECK(qw.size(0) == (n + 15) / 16 && qw.size(1) == (k + 63) / 64, "qerl: qweight of shape ", qw.sizes(),
+              " does not hold a [", n, ", ", k, "] matrix");
+  TORCH_CHECK(gs.scalar_type() == at::kFloat && gs.numel() == 1, "qerl: global_scale must be fp32 [1]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0, "qerl: qweight must be 16-byte aligned");
+  TORCH_CHECK(qw.get_device() == gs.get_device(), "qerl: tensors on different devices");
+}
+
+void dequantize_out(const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k, at::Tensor& out) {
+  check_packed(qw, gs, n, k);
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == k,
+              "qerl: dequantize output must be a contiguous [n, k] CUDA tensor");
+  c10::cuda::CUDAGuard guard(qw.device());
+  const int NT = (int)qw.size(0), KT = (int)qw.size(1);
+  dim3 grid((KT + kDqTiles - 1) / kDqTiles, NT);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const float* gp = gs.data_ptr<float>();
+  switch (out.scalar_type()) {
+    case at::kBFloat16:
+      nvfp4_dequant_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(
+          qw.data_ptr<uint8_t>(), gp, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), (int)n, (int)k, NT, KT);
+      break;
+    case at::kHalf:
+      nvfp4_dequant_kernel<__half><<<grid, 256, 0, stream>>>(
+          qw.data_ptr<uint8_t>(), gp, reinterpret_cast<__half*>(out.data_ptr()), (int)n, (int)k, NT, KT);
+      break;
+    case at::kFloat:
+      nvfp4_dequant_kernel<float><<<grid, 256, 0, stream>>>(qw.data_ptr<uint8_t>(), gp, out.data_ptr<float>(),
+                                                            (int)n, (int)k, NT, KT);
+      break;
+    default:
+      TORCH_CHECK(false, "qerl: dequantize supports bf16, fp16 and fp32 outputs, got ", out.scalar_type());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int TG, int R, int D, int KCH, int NACC, int MINB>
+static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, at::Tensor& out, int M,
+                       int N, int K, int NT, int KT) {
+  constexpr int ROWS_BLOCKS = kWarps * R;
+  constexpr int MP = 8 * TG;
+  const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
+  const int slices = (M + kSliceTokens - 1) / kSliceTokens;
+  const int sms = num_sms(x.get_device());
+  const int rows_alloc = std::min(MP, std::min(M, kSliceTokens) + 1);
+  const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16);
+  auto kern = nvfp4_mma_kernel<TG, R, D, KCH, NACC, MINB>;
+  int occ = 1;
+  {
+    static std::mutex mu;
+    static std::map<size_t, int> occ_cache;  // per instance: dynamic smem -> resident CTAs per SM
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = occ_cache.find(smem);
+    if (it == occ_cache.end()) {
+      if (smem > 48 * 1024)
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kWarps * 32, smem));
+      occ_cache[smem] = std::max(occ, 1);
+      it = occ_cache.find(smem);
+    }
+    occ = it->second;
+  }
+  // K split: an SM streams at full speed only with all its `occ` CTA slots busy (latency-bound below), so
+  // the time is ~ (tiles per CTA + prologue) x max(CTAs on the busiest SM, occ); plus the split-K partials
+  // (written and read once, mostly through L2)
+  const int sat = occ;
+  int best_s = 1;
+  double best = 1e300;
+  const int max_s = std::max(1, std::min(64, KT / 2));
+  for (int s = 1; s <= max_s; ++s) {
+    const int tps = (KT + s - 1) / s;
+    const int s_eff = (KT + tps - 1) / tps;
+    if (s_eff != s) continue;
+    const double ctas = (double)RG * slices * s;
+    const double load = std::ceil(ctas / sms);
+    double cost = (tps + 3.0) * std::max(load, (double)sat) * ROWS_BLOCKS * kRecordBytes / sat;
+    if (s > 1) cost += 0.35 * (double)s * M * N * 8.0 / sms;
+    if (cost < best * 0.99) {
+      best = cost;
+      best_s = s;
+    }
+  }
+  const int S = best_s;
+  const int tps = (KT + S - 1) / S;
+  float* ws = nullptr;
+  int* counters = nullptr;
+  at::Tensor wsbuf;
+  if (S > 1) {
+    wsbuf = at::empty({(int64_t)S * M * N}, x.options().dtype(at::kFloat));
+    ws = wsbuf.data_ptr<float>();
+    counters = counters_for(x, (int64_t)RG * slices);
+  }
+  dim3 grid(slices, RG, S);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  kern<<<grid, kWarps * 32, smem, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+                                            qw.data_ptr<uint8_t>(), gs.data_ptr<float>(),
+                                            reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws, counters, M, N, K,
+                                            NT, KT, S, tps);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous. path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS.
+// Returns the path taken.
+int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                   at::Tensor& out, int64_t path) {
+  check_packed(qw, gs, n, k);
+  TORCH_CHECK(x.is_cuda() && x.get_device() == qw.get_device(), "qerl: x must be on the weight's device");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n &&
+                  out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              "qerl: out must be a contiguous [M, n] tensor of x's dtype");
+  c10::cuda::CUDAGuard guard(qw.device());
+  const int64_t M = x.size(0);
+  if (M == 0) return 0;
+  if (path < 0) path = (x.scalar_type() == at::kBFloat16 && M <= g_large_m_threshold) ? 0 : 1;
+  if (path == 1 || x.scalar_type() != at::kBFloat16) {
+    at::Tensor w = at::empty({n, k}, x.options());
+    dequantize_out(qw, gs, n, k, w);
+    at::mm_out(out, x, w.t());
+    return 1;
+  }
+  at::Tensor xc = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
+  TORCH_CHECK(M <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
+  const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
+  // variant 0 (default) / 1 (alternative) per M range, for tuning from Python via set_variant()
+  if (M <= 8) {
+    if (g_variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, out, Mi, N, K, NT, KT);
+  } else if (M <= 16) {
+    if (g_variant == 1) launch_mma<2, 2, 4, 8, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    else launch_mma<2, 1, 8, 16, 2, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
+  } else if (M <= 32) {
+    launch_mma<4, 2, 4, 8, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
+  } else {
+    launch_mma<8, 1, 2, 4, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
+  }
+  return 0;
+}
+
+// g [M, N] -> out [M, K] = g @ W (dequantize + cuBLAS)
+void linear_t_out(const at::Tensor& g, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                  at::Tensor& out) {
+  check_packed(qw, gs, n, k);
+  TORCH_CHECK(g.is_cuda() && g.dim() == 2 && g.size(1) == n, "qerl: g must be [M, ", n, "]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == g.size(0) && out.size(1) == k && out.scalar_type() == g.scalar_type(),
+              "qerl: out must be [M, k] of g's dtype");
+  c10::cuda::CUDAGuard guard(qw.device());
+  at::Tensor w = at::empty({n, k}, g.options());
+  dequantize_out(qw, gs, n, k, w);
+  at::mm_out(out, g, w);
+}
+
+void set_large_m_threshold(int64_t m) { g_large_m_threshold = m; }
+void set_variant(int64_t v) { g_variant = (int)v; }
+int64_t get_large_m_threshold() { return g_large_m_threshold; }
+
+}  // namespace qerl
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_out", &qerl::linear_out, "x @ W^T into out; returns the path (0 mma kernel, 1 dequant+cuBLAS)");
+  m.def("linear_t_out", &qerl::linear_t_out, "g @ W into out");
+  m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
+  m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
+  m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
+  m.def("set_variant", &qerl::set_variant, "tuning: 0 default, 1 alternative mma configuration");
+}
+#endif

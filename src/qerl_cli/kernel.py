@@ -1,0 +1,333 @@
+"""NVFP4 x BF16 products on the packed layout (:mod:`qerl_cli.layout`), CUDA kernel with a torch fallback.
+
+Public API (all tensors may live on CPU, where the pure-torch reference runs)::
+
+    available() -> bool
+    last_backend() -> str           # "cuda-kernel" | "cuda-dequant-cublas" | "torch-reference"
+    linear(x, qweight, global_scale, n, k, *, out=None)   # x [..., k] -> x @ W^T  [..., n], x.dtype
+    linear_t(g, qweight, global_scale, n, k)              # g [..., n] -> g @ W    [..., k]
+    dequantize(qweight, global_scale, n, k, dtype=torch.bfloat16)  # [n, k]
+
+The products are torch custom ops in the ``qerl`` namespace (``torch.ops.qerl.linear``, ``linear_t``,
+``dequantize`` and the in-place ``linear_out``) with fake implementations, so they trace under
+``torch.compile`` / ``torch.export``; ``linear`` is differentiable with respect to ``x`` (its backward is
+``linear_t``; the packed weight is frozen).
+
+On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cached by
+``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``) for sm_90a plus generic sm_80/sm_89 code:
+
+* bf16 ``x`` with at most ``large_m_threshold()`` rows (default 64): the mma.sync kernel that streams the
+  packed weight and dequantizes in registers ("cuda-kernel");
+* larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
+  ("cuda-dequant-cublas"); ``linear_t`` always takes this path.
+
+If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
+:func:`layout.dequantize`) and one warning line says why. Split-K launches keep a small self-resetting
+ticket buffer per (device, stream); do not run the same op concurrently on one stream from two threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import layout
+
+__all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
+           "set_large_m_threshold", "build_error"]
+
+BACKEND_KERNEL = "cuda-kernel"
+BACKEND_DEQUANT = "cuda-dequant-cublas"
+BACKEND_REFERENCE = "torch-reference"
+
+_DEFAULT_ARCH_FLAGS = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_89,code=sm_89",
+    "-gencode=arch=compute_80,code=compute_80",  # PTX for anything newer without an exact cubin
+)
+
+_lock = threading.Lock()
+_ext = None
+_ext_error: str | None = None
+_ext_tried = False
+_warned: set[str] = set()
+_state = threading.local()
+
+
+def _source() -> Path | None:
+    env = os.environ.get("QERL_CSRC")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve()
+    candidates += [here.parent / "csrc", here.parents[2] / "csrc"]
+    for c in candidates:
+        if (c / "nvfp4_kernel.cu").is_file():
+            return c / "nvfp4_kernel.cu"
+    return None
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"qerl.kernel: using the pure-torch reference: {reason}", RuntimeWarning, stacklevel=3)
+
+
+def _load():
+    """The compiled extension, or None (reason in ``build_error()``)."""
+    global _ext, _ext_error, _ext_tried
+    if _ext_tried:
+        return _ext
+    with _lock:
+        if _ext_tried:
+            return _ext
+        try:
+            if os.environ.get("QERL_DISABLE_KERNEL"):
+                raise RuntimeError("QERL_DISABLE_KERNEL is set")
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device")
+            src = _source()
+            if src is None:
+                raise RuntimeError("csrc/nvfp4_kernel.cu not found (set QERL_CSRC)")
+            from torch.utils.cpp_extension import load
+
+            arch = os.environ.get("QERL_KERNEL_ARCH_FLAGS")
+            arch_flags = arch.split() if arch else list(_DEFAULT_ARCH_FLAGS)
+            _ext = load(name="qerl_nvfp4", sources=[str(src)],
+                        extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
+                        extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
+        except Exception as e:  # noqa: BLE001 - any build/load failure means: use the reference
+            msg = str(e).strip().splitlines()
+            _ext_error = f"{type(e).__name__}: {msg[-1] if msg else ''}"[:300]
+            _ext = None
+        _ext_tried = True
+    return _ext
+
+
+def available() -> bool:
+    """True when the CUDA extension is built and loaded (tries the build once)."""
+    return _load() is not None
+
+
+def build_error() -> str | None:
+    """Why the extension is unavailable (None when it loaded or was not tried yet)."""
+    return _ext_error
+
+
+def last_backend() -> str:
+    """Which path the last call on this thread ran."""
+    return getattr(_state, "backend", BACKEND_REFERENCE)
+
+
+def _set_backend(name: str) -> None:
+    _state.backend = name
+
+
+def large_m_threshold() -> int:
+    ext = _load()
+    return int(ext.get_large_m_threshold()) if ext is not None else 64
+
+
+def set_large_m_threshold(m: int) -> None:
+    """Rows above which bf16 ``linear`` uses dequantize + cuBLAS instead of the mma kernel."""
+    ext = _load()
+    if ext is None:
+        raise RuntimeError(f"CUDA extension unavailable: {_ext_error}")
+    ext.set_large_m_threshold(int(m))
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_packed(qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int) -> None:
+    if n <= 0 or k <= 0 or k % 16:
+        raise ValueError(f"need n > 0 and k a positive multiple of 16, got n={n}, k={k}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 3 or qweight.shape[-1] != layout.RECORD_BYTES:
+        raise ValueError(f"qweight must be uint8 [N_pad/16, K_pad/64, {layout.RECORD_BYTES}], "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    np_, kp = layout.padded_shape(n, k)
+    if tuple(qweight.shape[:2]) != (np_ // layout.TILE_N, kp // layout.TILE_K):
+        raise ValueError(f"packed weight of shape {tuple(qweight.shape)} does not hold a [{n}, {k}] matrix")
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        raise ValueError(f"global_scale must be a float32 tensor of one element, got {global_scale.dtype} "
+                         f"{tuple(global_scale.shape)}")
+    if qweight.device != global_scale.device:
+        raise ValueError(f"qweight on {qweight.device} but global_scale on {global_scale.device}")
+
+
+def _check_act(x: torch.Tensor, width: int, what: str, qweight: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[-1] != width:
+        raise ValueError(f"{what} must have last dimension {width}, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what} must be floating point, got {x.dtype}")
+    if x.device != qweight.device:
+        raise ValueError(f"{what} on {x.device} but qweight on {qweight.device}")
+
+
+def _use_kernel(t: torch.Tensor):
+    if t.device.type != "cuda":
+        _warn_once("tensors are not on a CUDA device")
+        return None
+    ext = _load()
+    if ext is None:
+        _warn_once(f"CUDA extension unavailable ({_ext_error})")
+    return ext
+
+
+def _gs(global_scale: torch.Tensor) -> torch.Tensor:
+    return global_scale.reshape(1).contiguous()
+
+
+# ------------------------------------------------------------------------------------------ the ops
+_DEQUANT_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _linear_into(x2: torch.Tensor, qweight: torch.Tensor, gs: torch.Tensor, n: int, k: int,
+                 out2: torch.Tensor) -> None:
+    ext = _use_kernel(x2) if x2.dtype in _DEQUANT_KERNEL_DTYPES or x2.device.type != "cuda" else None
+    if ext is None:
+        out2.copy_(layout.reference_matmul(x2, qweight, gs, n, k))
+        _set_backend(BACKEND_REFERENCE)
+        return
+    path = ext.linear_out(x2, qweight.contiguous(), _gs(gs), n, k, out2, -1)
+    _set_backend(BACKEND_KERNEL if path == 0 else BACKEND_DEQUANT)
+
+
+@torch.library.custom_op("qerl::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(x, k, "x", qweight)
+    x2 = x.reshape(-1, k)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    _linear_into(x2, qweight, global_scale, n, k, out)
+    return out.reshape(*x.shape[:-1], n)
+
+
+@_linear_op.register_fake
+def _(x, qweight, global_scale, n, k):
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(x, k, "x", qweight)
+    return x.new_empty(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("qerl::linear_out", mutates_args=("out",))
+def _linear_out_op(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+                   out: torch.Tensor) -> None:
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(x, k, "x", qweight)
+    expect = (*x.shape[:-1], n)
+    if tuple(out.shape) != expect or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {expect} on {x.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    _linear_into(x.reshape(-1, k), qweight, global_scale, n, k, out.view(-1, n))
+
+
+@_linear_out_op.register_fake
+def _(x, qweight, global_scale, n, k, out):
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(x, k, "x", qweight)
+    if tuple(out.shape) != (*x.shape[:-1], n):
+        raise ValueError(f"out must have shape {(*x.shape[:-1], n)}, got {tuple(out.shape)}")
+
+
+@torch.library.custom_op("qerl::linear_t", mutates_args=())
+def _linear_t_op(g: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(g, n, "g", qweight)
+    g2 = g.reshape(-1, n)
+    ext = _use_kernel(g2) if g2.dtype in _DEQUANT_KERNEL_DTYPES or g2.device.type != "cuda" else None
+    if ext is None:
+        w = layout.dequantize(qweight, global_scale, n, k, torch.float32)
+        out = (g2.float() @ w).to(g.dtype)
+        _set_backend(BACKEND_REFERENCE)
+    else:
+        out = torch.empty(g2.shape[0], k, dtype=g.dtype, device=g.device)
+        if g2.shape[0]:
+            ext.linear_t_out(g2.contiguous(), qweight.contiguous(), _gs(global_scale), n, k, out)
+        _set_backend(BACKEND_DEQUANT)
+    return out.reshape(*g.shape[:-1], k)
+
+
+@_linear_t_op.register_fake
+def _(g, qweight, global_scale, n, k):
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(g, n, "g", qweight)
+    return g.new_empty(*g.shape[:-1], k)
+
+
+@torch.library.custom_op("qerl::dequantize", mutates_args=())
+def _dequantize_op(qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    _check_packed(qweight, global_scale, n, k)
+    ext = _use_kernel(qweight) if dtype in _DEQUANT_KERNEL_DTYPES else None
+    if ext is None:
+        _set_backend(BACKEND_REFERENCE)
+        return layout.dequantize(qweight, global_scale, n, k, dtype)
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    ext.dequantize_out(qweight.contiguous(), _gs(global_scale), n, k, out)
+    _set_backend(BACKEND_KERNEL)
+    return out
+
+
+@_dequantize_op.register_fake
+def _(qweight, global_scale, n, k, dtype):
+    _check_packed(qweight, global_scale, n, k)
+    return qweight.new_empty(n, k, dtype=dtype)
+
+
+# autograd: d(x @ W^T)/dx = grad @ W; the packed weight and its scale are frozen (no gradient)
+def _linear_setup(ctx, inputs, output):
+    _, qweight, global_scale, n, k = inputs
+    ctx.save_for_backward(qweight, global_scale)
+    ctx.n, ctx.k = n, k
+
+
+def _linear_backward(ctx, grad):
+    qweight, global_scale = ctx.saved_tensors
+    gx = torch.ops.qerl.linear_t(grad.contiguous(), qweight, global_scale, ctx.n, ctx.k) \
+        if ctx.needs_input_grad[0] else None
+    return gx, None, None, None, None
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _linear_t_setup(ctx, inputs, output):
+    _, qweight, global_scale, n, k = inputs
+    ctx.save_for_backward(qweight, global_scale)
+    ctx.n, ctx.k = n, k
+
+
+def _linear_t_backward(ctx, grad):
+    qweight, global_scale = ctx.saved_tensors
+    gg = torch.ops.qerl.linear(grad.contiguous(), qweight, global_scale, ctx.n, ctx.k) \
+        if ctx.needs_input_grad[0] else None
+    return gg, None, None, None, None
+
+
+_linear_t_op.register_autograd(_linear_t_backward, setup_context=_linear_t_setup)
+
+
+# --------------------------------------------------------------------------------------------- API
+def linear(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T`` for ``x [..., k]``: ``[..., n]`` in ``x.dtype`` (fp32 accumulation).
+
+    With ``out`` (contiguous, ``[..., n]``, ``x.dtype``) the result is written there and ``out`` returned
+    (no autograd through that form)."""
+    if out is None:
+        return torch.ops.qerl.linear(x, qweight, global_scale, int(n), int(k))
+    torch.ops.qerl.linear_out(x, qweight, global_scale, int(n), int(k), out)
+    return out
+
+
+def linear_t(g: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``g @ W`` for ``g [..., n]``: ``[..., k]`` in ``g.dtype`` (the input gradient of :func:`linear`)."""
+    return torch.ops.qerl.linear_t(g, qweight, global_scale, int(n), int(k))
+
+
+def dequantize(qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense ``[n, k]`` weight; bit-exact with :func:`layout.dequantize` (fp32 math, one rounding)."""
+    return torch.ops.qerl.dequantize(qweight, global_scale, int(n), int(k), dtype)

@@ -1,0 +1,315 @@
+"""qerl_cli.kernel: the torch fallback and op registration (everywhere), the CUDA kernel (``-m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_cli import kernel, layout, nvfp4
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def make_packed(n: int, k: int, device="cpu", seed: int = 0, kind: str = "randn"):
+    """A packed NVFP4 weight of shape [n, k]: (qweight, global_scale).
+
+    kind: "randn" quantizes a Gaussian weight with the real quantizer; "codes" draws every code 0..15 and
+    e4m3 block scales over the whole positive range (subnormals included) uniformly; "tiny" quantizes a
+    weight whose blocks are ~5e-6 of one outlier, so most block scales are e4m3 subnormals."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "codes":
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        sbytes = torch.randint(1, 0x7F, (n, k // 16), generator=gen, dtype=torch.uint8)  # 0x7f is NaN
+        scales = sbytes.view(torch.float8_e4m3fn)
+        gs = torch.tensor([float(torch.rand(1, generator=gen)) * 1000 + 10.0])
+        return layout.pack(codes.to(device), scales.to(device)), gs.to(device)
+    w = torch.randn(n, k, generator=gen)
+    if kind == "tiny":
+        w = w * 5e-6
+        w[0, 0] = 1.0
+    q = nvfp4.quantize_weight(w.to(device))
+    codes = nvfp4.unpack_nibbles(q["weight_packed"])
+    return layout.pack(codes, q["weight_scale"]), q["weight_global_scale"]
+
+
+def ref_fp32(x, qweight, gs, n, k):
+    w = layout.dequantize(qweight, gs, n, k, torch.float32)
+    return x.float() @ w.t()
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.detach().float(), ref.detach().float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------ CPU: everywhere
+
+
+@pytest.mark.parametrize("n,k,m", [(32, 64, 3), (200, 80, 5), (17, 48, 1), (576, 192, 9)])
+def test_cpu_fallback_equals_reference(n, k, m):
+    qw, gs = make_packed(n, k, seed=n + k)
+    x = torch.randn(2, m, k, dtype=torch.bfloat16)
+    out = kernel.linear(x, qw, gs, n, k)
+    assert kernel.last_backend() == kernel.BACKEND_REFERENCE
+    assert out.shape == (2, m, n) and out.dtype == torch.bfloat16
+    ref = layout.reference_matmul(x.reshape(-1, k), qw, gs, n, k).reshape(2, m, n)
+    assert torch.equal(out, ref)
+
+    g = torch.randn(m, n)
+    gt = kernel.linear_t(g, qw, gs, n, k)
+    assert gt.shape == (m, k) and gt.dtype == torch.float32
+    assert torch.equal(gt, g @ layout.dequantize(qw, gs, n, k, torch.float32))
+
+    for dt in (torch.bfloat16, torch.float32):
+        assert torch.equal(kernel.dequantize(qw, gs, n, k, dt), layout.dequantize(qw, gs, n, k, dt))
+
+
+def test_cpu_out_variant_and_autograd():
+    n, k = 48, 128
+    qw, gs = make_packed(n, k, seed=3)
+    x = torch.randn(4, k)
+    out = torch.full((4, n), float("nan"))
+    assert kernel.linear(x, qw, gs, n, k, out=out) is out
+    assert torch.equal(out, layout.reference_matmul(x, qw, gs, n, k))
+
+    xr = x.clone().requires_grad_(True)
+    y = kernel.linear(xr, qw, gs, n, k)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    w = layout.dequantize(qw, gs, n, k, torch.float32)
+    torch.testing.assert_close(xr.grad, gy @ w)
+
+
+def test_fake_and_meta_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    n, k = 100, 96
+    qw, gs = make_packed(n, k)
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(torch.randn(3, 7, k, dtype=torch.bfloat16))
+        fq, fg = mode.from_tensor(qw), mode.from_tensor(gs)
+        y = torch.ops.qerl.linear(fx, fq, fg, n, k)
+        assert tuple(y.shape) == (3, 7, n) and y.dtype == torch.bfloat16
+        fgrad = mode.from_tensor(torch.randn(5, n))
+        assert tuple(torch.ops.qerl.linear_t(fgrad, fq, fg, n, k).shape) == (5, k)
+        d = torch.ops.qerl.dequantize(fq, fg, n, k, torch.float16)
+        assert tuple(d.shape) == (n, k) and d.dtype == torch.float16
+    # meta tensors go through the same fake implementations
+    mq = torch.empty(qw.shape, dtype=torch.uint8, device="meta")
+    mg = torch.empty(1, dtype=torch.float32, device="meta")
+    y = kernel.linear(torch.empty(2, k, dtype=torch.bfloat16, device="meta"), mq, mg, n, k)
+    assert y.device.type == "meta" and tuple(y.shape) == (2, n)
+    with pytest.raises(ValueError):
+        kernel.linear(torch.empty(2, k + 16, device="meta"), mq, mg, n, k)
+
+
+def test_compile_traces_the_op():
+    n, k = 64, 64
+    qw, gs = make_packed(n, k, seed=5)
+    x = torch.randn(3, k)
+
+    def f(a):
+        return kernel.linear(a, qw, gs, n, k) * 2
+
+    try:
+        out = torch.compile(f, backend="eager", fullgraph=True)(x)
+    except Exception as e:  # pragma: no cover - environments without a working dynamo
+        pytest.skip(f"torch.compile unavailable here: {e}")
+    assert torch.equal(out, f(x))
+
+
+def test_errors_on_bad_shapes():
+    n, k = 64, 128
+    qw, gs = make_packed(n, k)
+    x = torch.randn(2, k)
+    with pytest.raises(ValueError, match="last dimension"):
+        kernel.linear(torch.randn(2, k - 16), qw, gs, n, k)
+    with pytest.raises(ValueError, match="does not hold"):
+        kernel.linear(x, qw, gs, n + 16, k)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.linear(x, qw, gs, n, k + 8)
+    with pytest.raises(ValueError, match="uint8"):
+        kernel.linear(x, qw.float(), gs, n, k)
+    with pytest.raises(ValueError, match="global_scale"):
+        kernel.linear(x, qw, gs.double(), n, k)
+    with pytest.raises(ValueError, match="global_scale"):
+        kernel.linear(x, qw, torch.ones(2), n, k)
+    with pytest.raises(ValueError, match="floating point"):
+        kernel.linear(x.to(torch.int32), qw, gs, n, k)
+    with pytest.raises(ValueError, match="last dimension"):
+        kernel.linear_t(torch.randn(2, n + 1), qw, gs, n, k)
+    with pytest.raises(ValueError, match="out must"):
+        kernel.linear(x, qw, gs, n, k, out=torch.empty(2, n + 1))
+
+
+def test_opcheck_cpu():
+    n, k = 40, 64
+    qw, gs = make_packed(n, k, seed=7)
+    x = torch.randn(3, k, requires_grad=True)
+    torch.library.opcheck(torch.ops.qerl.linear.default, (x, qw, gs, n, k))
+    torch.library.opcheck(torch.ops.qerl.linear_t.default, (torch.randn(3, n), qw, gs, n, k))
+    torch.library.opcheck(torch.ops.qerl.dequantize.default, (qw, gs, n, k, torch.bfloat16))
+    torch.library.opcheck(torch.ops.qerl.linear_out.default, (x.detach(), qw, gs, n, k, torch.empty(3, n)))
+
+
+def test_available_reports_reason_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert kernel.available() is False
+    assert kernel.build_error()
+
+
+# ------------------------------------------------------------------------------------------ GPU only
+
+SMOL = [(576, 576), (1536, 576), (576, 1536), (192, 576), (960, 576)]
+QWEN7B = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
+ODD = [(200, 80), (17, 48), (1000, 1008)]
+SMALL_M = [1, 2, 3, 5, 8, 9, 13, 16, 17, 31, 32, 33, 47, 64]
+MID_M = [65, 100, 128, 129, 257, 1000]
+
+
+def _need_kernel():
+    assert kernel.available(), f"CUDA extension failed to build: {kernel.build_error()}"
+
+
+def _check_linear(n, k, ms, kind="randn", seed=0, paths=(None,), tol=1e-2):
+    qw, gs = make_packed(n, k, device="cuda", seed=seed, kind=kind)
+    ext = kernel._load()
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = ref_fp32(x, qw, gs, n, k)
+        for path in paths:
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
+            if path is None:
+                kernel.linear(x, qw, gs, n, k, out=out)
+                expect = kernel.BACKEND_KERNEL if m <= kernel.large_m_threshold() else kernel.BACKEND_DEQUANT
+                assert kernel.last_backend() == expect
+            else:
+                ext.linear_out(x, qw, gs, n, k, out, path)
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any(), f"NaN/unwritten output at n={n} k={k} m={m} path={path}"
+            e = rel_err(out, ref)
+            assert e <= tol, f"rel err {e:.2e} at n={n} k={k} m={m} path={path}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SMOL + ODD + QWEN7B)
+def test_gpu_linear_small_m(n, k):
+    _need_kernel()
+    _check_linear(n, k, SMALL_M, seed=n * 7 + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(576, 1536), (200, 80), (4608, 3584), (3584, 18944)])
+def test_gpu_linear_mid_m_both_paths(n, k):
+    _need_kernel()
+    _check_linear(n, k, MID_M, seed=n + 3 * k, paths=(None, 0, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(576, 576), (3584, 3584), (4608, 3584)])
+def test_gpu_linear_large_m(n, k):
+    _need_kernel()
+    _check_linear(n, k, [2048, 4095, 8192], seed=k, paths=(None, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["codes", "tiny"])
+def test_gpu_linear_all_codes_and_subnormal_scales(kind):
+    _need_kernel()
+    n, k = 1000, 1024
+    qw, gs = make_packed(n, k, device="cuda", seed=11, kind=kind)
+    if kind == "tiny":  # most block scales are e4m3 subnormals
+        s = layout.unpack(qw, n, k)[1].float()
+        assert (s[1:] < 2.0 ** -6).float().mean() > 0.5
+    for m in (1, 8, 16, 40, 300):
+        for path in (0, 1):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            kernel._load().linear_out(x, qw, gs, n, k, out, path)
+            ref = ref_fp32(x, qw, gs, n, k)
+            assert not torch.isnan(out).any()
+            # element-wise against the condition of each dot product (sum |x||w|): every output feature
+            # must be right, including those of tiny-scaled blocks and those with cancellation
+            w = layout.dequantize(qw, gs, n, k, torch.float32)
+            bound = x.float().abs() @ w.abs().t()
+            worst = float(((out.float() - ref).abs() / bound.clamp_min(1e-30)).max())
+            assert worst <= 1e-2, (m, path, worst)
+            assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(200, 80), (960, 576), (3584, 18944), (37888, 3584)])
+def test_gpu_dequantize_bit_exact(n, k):
+    _need_kernel()
+    qw, gs = make_packed(n, k, device="cuda", seed=1, kind="codes" if n < 1000 else "randn")
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        d = kernel.dequantize(qw, gs, n, k, dt)
+        assert kernel.last_backend() == kernel.BACKEND_KERNEL
+        r = layout.dequantize(qw, gs, n, k, dt)
+        assert torch.equal(d, r), f"dequantize {dt} differs at {(n, k)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(576, 1536), (200, 80), (3584, 18944), (4608, 3584)])
+def test_gpu_linear_t(n, k):
+    _need_kernel()
+    qw, gs = make_packed(n, k, device="cuda", seed=2)
+    w = layout.dequantize(qw, gs, n, k, torch.float32)
+    for m in (1, 7, 64, 513, 4096):
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        out = kernel.linear_t(g, qw, gs, n, k)
+        assert kernel.last_backend() == kernel.BACKEND_DEQUANT
+        assert not torch.isnan(out).any()
+        assert rel_err(out, g.float() @ w) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_batched_dtypes_autograd_and_opcheck():
+    _need_kernel()
+    n, k = 960, 576
+    qw, gs = make_packed(n, k, device="cuda", seed=4)
+    w = layout.dequantize(qw, gs, n, k, torch.float32)
+    x = torch.randn(2, 3, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = kernel.linear(x, qw, gs, n, k)
+    assert y.shape == (2, 3, n) and kernel.last_backend() == kernel.BACKEND_KERNEL
+    assert rel_err(y, x.detach().float() @ w.t()) <= 1e-2
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    assert rel_err(x.grad, gy.float() @ w) <= 1e-2
+    for dt in (torch.float16, torch.float32):  # other activation dtypes: dequantize + cuBLAS
+        xf = torch.randn(5, k, device="cuda", dtype=dt)
+        yf = kernel.linear(xf, qw, gs, n, k)
+        assert yf.dtype == dt and kernel.last_backend() == kernel.BACKEND_DEQUANT
+        assert rel_err(yf, xf.float() @ w.t()) <= 1e-2
+    xs = torch.randn(6, 2 * k, device="cuda", dtype=torch.bfloat16)[:, ::2]  # non-contiguous
+    assert rel_err(kernel.linear(xs, qw, gs, n, k), xs.float() @ w.t()) <= 1e-2
+    xo = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.qerl.linear.default, (xo, qw, gs, n, k))
+    torch.library.opcheck(torch.ops.qerl.linear_t.default, (torch.randn(4, n, device="cuda",
+                                                                       dtype=torch.bfloat16), qw, gs, n, k))
+    torch.library.opcheck(torch.ops.qerl.dequantize.default, (qw, gs, n, k, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_and_repeat_determinism():
+    _need_kernel()
+    n, k = 3584, 18944  # split-K path (ticket counters)
+    qw, gs = make_packed(n, k, device="cuda", seed=9)
+    x = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+    first = kernel.linear(x, qw, gs, n, k)
+    for _ in range(3):
+        assert torch.equal(kernel.linear(x, qw, gs, n, k), first)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernel.linear(x, qw, gs, n, k)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = kernel.linear(x, qw, gs, n, k)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, first)
