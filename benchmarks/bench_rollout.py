@@ -128,6 +128,12 @@ def main() -> None:
     args = ap.parse_args()
     rows, result = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
+    def save():  # after every measurement, so a run cut short still leaves its numbers
+        result["runs"] = rows
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(rows[-1]) if rows else "", flush=True)
+
     # (a) SmolLM2
     if args.smollm2 is not None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,7 +151,10 @@ def main() -> None:
     import copy
 
     nv = pack_model_inplace(copy.deepcopy(base))
-    if tok is not None:
+    if tok is None:  # random weights: the engine-vs-HF check still compares the two on the same weights
+        result["correctness_random_smollm2_shape_nvfp4"] = correctness(nv, prompts(8, 24, 49152), 2)
+        save()
+    else:
         from qerl_cli.tasks import chat_prompt
 
         qs = ["What is 7 + 5?", "What is 6 * 8?", "Name a color.", "Write a haiku about rain.",
@@ -153,12 +162,15 @@ def main() -> None:
               "How many clips did Natalia sell altogether?", "What is the capital of France?",
               "Count from 1 to 5.", "What is 9 - 4?"]
         result["correctness_smollm2_nvfp4"] = correctness(nv, [chat_prompt(tok, q) for q in qs], tok.eos_token_id)
+        save()
     for batch in (64, 256):
         for name, m in (("ours-nvfp4", nv), ("ours-bf16", base)):
             r = time_engine(m, batch, 128, 256, 49152)
             rows.append({"model": "SmolLM2-135M", "engine": name, "batch": batch, **r})
+            save()
         r = time_hf(base, batch, 128, 256, 49152)
         rows.append({"model": "SmolLM2-135M", "engine": "hf-generate-bf16", "batch": batch, **r})
+        save()
     result["smollm2_weight_bytes"] = weight_bytes(nv)
     del nv, base
     gc.collect()
@@ -170,6 +182,7 @@ def main() -> None:
         for batch in (8, 64):
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16", "batch": batch,
                          **time_engine(big, batch, 256, 512, 152064)})
+            save()
         big = pack_model_inplace(big)
         gc.collect()
         torch.cuda.empty_cache()
@@ -177,8 +190,7 @@ def main() -> None:
         for batch in (8, 64):
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
                          **time_engine(big, batch, 256, 512, 152064)})
-        rows.append({"model": "Qwen2.5-7B-shape", "engine": "hf-generate-nvfp4", "batch": 8,
-                     **time_hf(big, 8, 256, 64, 152064)})
+            save()
     result["runs"] = rows
     con = Console()
     t = Table(title=f"rollout throughput on {result['device']}")
