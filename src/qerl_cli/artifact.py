@@ -286,24 +286,37 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
             "peak_cuda_bytes": _peak_cuda_bytes(),
             **extra,
         }
-        manifest = {
-            names.K_SCHEMA: names.SCHEMA,
-            names.K_KIND: kind,
-            names.K_VERSION: __version__,
-            names.K_CREATED: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            names.K_CONFIG: config,
-            names.K_INPUTS: [i.as_dict() for i in inputs],
-            names.K_FILES: files,
-            names.K_KEY: key,
-            names.K_DIGEST: _digest(key, files),
-            names.K_METRICS: metrics,
-        }
-        (tmp / names.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest = write_manifest(tmp, kind, config, inputs, key, metrics, files).manifest
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Artifact(out, manifest)
+
+
+def write_manifest(root: Path, kind: str, config: dict, inputs: list[Input], key: str, metrics: dict,
+                   files: list[dict] | None = None) -> Artifact:
+    """Hash every payload file under ``root`` (unless ``files`` is given) and write its ``manifest.json``
+    atomically (temporary file + rename). ``run_stage`` calls it on its temporary directory; a stage that
+    writes its directory incrementally (``train``) calls it last, on the directory itself."""
+    if files is None:
+        files = _list_files(root)
+    manifest = {
+        names.K_SCHEMA: names.SCHEMA,
+        names.K_KIND: kind,
+        names.K_VERSION: __version__,
+        names.K_CREATED: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        names.K_CONFIG: config,
+        names.K_INPUTS: [i.as_dict() for i in inputs],
+        names.K_FILES: files,
+        names.K_KEY: key,
+        names.K_DIGEST: _digest(key, files),
+        names.K_METRICS: metrics,
+    }
+    part = root / f".{names.MANIFEST}.tmp-{os.getpid()}"
+    part.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(part, root / names.MANIFEST)
+    return Artifact(root, manifest)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

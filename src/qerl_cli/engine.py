@@ -178,6 +178,12 @@ class Engine:
         self._noisy = noisy
         return self.noise
 
+    def select_noise_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` of a per-group draw (a training forward over a subset of the sampled groups)."""
+        if self._noisy is not None and self.noise.scope == "group":
+            self._noisy = [{t: v[rows] for t, v in d.items()} for d in self._noisy]
+            self._graph = None
+
     def effective_norm_weights(self) -> list[dict[str, torch.Tensor]]:
         """The norm scales the next forward uses (clean snapshot, or the current noisy draw)."""
         return self._noisy if self._noisy is not None else self.clean

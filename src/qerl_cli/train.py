@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import __version__, artifact, config, grpo, lora, names, rollout, tasks, ui
+from . import artifact, config, grpo, lora, names, rollout, tasks, ui
 from .engine import Engine, SamplingConfig
 from .errors import QerlError
 
@@ -343,15 +343,7 @@ def _load_step(d: Path, pm, opt) -> dict:
 
 
 def _write_manifest(out: Path, cfg_dict: dict, inputs: list[artifact.Input], key: str, metrics: dict) -> artifact.Artifact:
-    files = artifact._list_files(out)
-    manifest = {
-        names.K_SCHEMA: names.SCHEMA, names.K_KIND: names.KIND_RUN, names.K_VERSION: __version__,
-        names.K_CREATED: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        names.K_CONFIG: cfg_dict, names.K_INPUTS: [i.as_dict() for i in inputs], names.K_FILES: files,
-        names.K_KEY: key, names.K_DIGEST: artifact._digest(key, files), names.K_METRICS: metrics,
-    }
-    _write_json_atomic(out / names.MANIFEST, manifest)
-    return artifact.Artifact(out, manifest)
+    return artifact.write_manifest(out, names.KIND_RUN, cfg_dict, inputs, key, metrics)
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -433,10 +425,10 @@ class Trainer:
         out: list[torch.Tensor | None] = [None] * len(part)
         for (nseed, scope, n_call), ks in order.items():
             eng.set_noise(sigma, nseed, scope, n_call, cfg.group)
-            if scope == "group" and eng._noisy is not None:  # keep the rows of the groups in this part
+            if scope == "group":  # keep the rows of the groups in this part
                 rows = torch.cat([torch.arange(part[k].noise_key[3] * cfg.group, (part[k].noise_key[3] + 1) * cfg.group)
                                   for k in ks]).to(self.device)
-                eng._noisy = [{t: v[rows] for t, v in d.items()} for d in eng._noisy]
+                eng.select_noise_rows(rows)
             sub = [part[k] for k in ks]
             comp = _pad_cat([x.completion_ids for x in sub], self.pad)
             mask = _pad_cat([x.completion_mask for x in sub], False)
