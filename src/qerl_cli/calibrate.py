@@ -68,11 +68,14 @@ class Group:
     linears: tuple[str, ...]
 
 
+# Search (and folding) order. A linear-output fold rescales the rows of a linear that another group
+# quantizes (v -> o rescales v of q/k/v; up -> down rescales up of gate/up), so those groups go first: the
+# q/k/v and gate/up searches then see the weights that will really be quantized, shared global scale included.
 GROUPS = (
-    Group("qkv", "input_layernorm", True, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     Group("o", "self_attn.v_proj", False, ("self_attn.o_proj",)),
-    Group("gate_up", "post_attention_layernorm", True, ("mlp.gate_proj", "mlp.up_proj")),
+    Group("qkv", "input_layernorm", True, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     Group("down", "mlp.up_proj", False, ("mlp.down_proj",)),
+    Group("gate_up", "post_attention_layernorm", True, ("mlp.gate_proj", "mlp.up_proj")),
 )
 
 
@@ -197,19 +200,20 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
         for h in handles:
             h.remove()
     acfg = cfg.awq_config()
+    # the RTN baseline: the layer's weights before any fold (copies: the folds work in place)
+    original = {n: layer.get_submodule(n).weight.detach().float().clone() for g in groups for n in g.linears}
     scales: dict[str, torch.Tensor] = {}
     xs: dict[str, torch.Tensor] = {}
     rows: list[dict] = []
     for g in groups:  # scales, folded in order (a later group sees the earlier folds, as quantize applies them)
         x, stats = captures[g.name].result()
-        # a copy: the folds below change the layer's weights in place, the RTN baseline must not move
         weights = [layer.get_submodule(n).weight.detach().float().clone() for n in g.linears]
         res = awq.search_scales(x, weights, acfg, stats=stats)
         fold_group(layer, g, res.scales)
         scales[g.name] = res.scales
         xs[g.name] = x
-        rows.append({"group": g.name, "alpha": res.alpha, "error_rtn": awq.group_error(
-            awq.subsample_tokens(x, acfg.max_tokens, acfg.seed), weights), "ref_power": res.ref_power})
+        rtn = awq.group_error(awq.subsample_tokens(x, acfg.max_tokens, acfg.seed), [original[n] for n in g.linears])
+        rows.append({"group": g.name, "alpha": res.alpha, "error_rtn": rtn, "ref_power": res.ref_power})
     clip: dict[str, float] = {}
     for g, row in zip(groups, rows):  # clip ratios under the final (all folds applied) weights
         x = awq.subsample_tokens(xs[g.name] / scales[g.name], acfg.max_tokens, acfg.seed)

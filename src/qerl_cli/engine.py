@@ -256,8 +256,11 @@ class Engine:
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
 
-    def _decoder(self, cache, key_mask: torch.Tensor, rows: int):
-        """A function ``(tokens [R], pos [R, 1], write_at) -> logits [R, V] fp32``: a CUDA graph on GPU."""
+    def _decoder(self, cache, key_mask: torch.Tensor, rows: int, first_slot: int, first_pos: torch.Tensor):
+        """A function ``(tokens [R], pos [R, 1], write_at) -> logits [R, V] fp32``: a CUDA graph on GPU.
+
+        The warm-up runs before capture really execute and write K/V: they write at ``first_slot``, the slot
+        the first decode step overwrites anyway, never over the prompt's cache."""
 
         def step(tok, pos, write_at):
             return self.forward(tok.view(-1, 1), pos, key_mask, cache, write_at)[:, -1].float()
@@ -265,8 +268,8 @@ class Engine:
         if not self.use_graph:
             return step
         s_tok = torch.zeros(rows, dtype=torch.long, device=self.device)
-        s_pos = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        s_at = torch.zeros((), dtype=torch.long, device=self.device)
+        s_pos = first_pos.clone()
+        s_at = torch.full((), first_slot, dtype=torch.long, device=self.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -344,7 +347,7 @@ class Engine:
         next_pos = pos[:, -1:].repeat_interleave(g, 0) + 1
         sync()
         t1 = time.perf_counter()
-        decode = self._decoder(cache, key_mask, r)
+        decode = self._decoder(cache, key_mask, r, p_len, next_pos)
         gen = torch.Generator(device=dev).manual_seed(seed)
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
         out = torch.full((r, t_new), pad_id, dtype=torch.long, device=dev)
