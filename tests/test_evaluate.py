@@ -99,3 +99,31 @@ def test_mcnemar_and_pass_at_k():
     assert stats.mcnemar_exact(10, 2) == pytest.approx(0.03857421875)
     assert stats.pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert stats.pass_at_k(10, 3, 2) == pytest.approx(1 - (7 * 6) / (10 * 9))
+
+
+def _fake_run(path, accuracies, step_s=10.0):
+    """A run artifact with given per-step training accuracies (the report only reads metrics.jsonl)."""
+    from qerl_cli import artifact
+
+    path.mkdir()
+    with open(path / names.RUN_METRICS, "w") as f:
+        for i, a in enumerate(accuracies):
+            f.write(json.dumps({"step": i + 1, "accuracy": a, "reward_mean": a, "informative_fraction": 0.5,
+                                "entropy": 1.0 - 0.1 * i, "time_step_s": step_s, "peak_rss_bytes": 2**30,
+                                "peak_mem_allocated_bytes": 0}) + "\n")
+    artifact.write_manifest(path, names.KIND_RUN, {"steps": len(accuracies)}, [], "sha256:" + "0" * 64, {})
+    return path
+
+
+def test_report_on_runs_time_to_target_and_curves(tmp_path):
+    a = _fake_run(tmp_path / "run-a", [0.1, 0.4, 0.65, 0.7])
+    b = _fake_run(tmp_path / "run-b", [0.1, 0.2, 0.3], step_s=5.0)
+    r = report.report([a, b], tmp_path / "rep", target_accuracy=0.6)
+    data = json.loads(r.file(names.REPORT_JSON).read_text())
+    ra, rb = data["runs"]
+    assert ra["time_to_target"] == {"step": 3, "time_s": 30.0}
+    assert rb["time_to_target"] == "not reached within budget"  # never extrapolated
+    assert ra["best_accuracy"] == 0.7 and rb["time_s"] == 15.0
+    png = r.file(names.REPORT_CURVES).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "not reached within budget" in r.file(names.REPORT_MD).read_text()

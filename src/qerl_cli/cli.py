@@ -220,20 +220,23 @@ def evaluate_cmd(
 
 @app.command("report")
 def report_cmd(
-    artifacts: Annotated[list[Path], typer.Argument(help="eval artifacts; the first is the baseline of the paired tests.")],
+    artifacts: Annotated[list[Path], typer.Argument(help="eval artifacts (the first is the baseline of the paired tests) and/or train runs.")],
     output: Output,
+    target_accuracy: Annotated[Optional[float], typer.Option("--target-accuracy", help="For runs: report the time to reach this training accuracy (or 'not reached within budget').")] = None,
     force: Force = False,
 ) -> None:
-    """Compare eval artifacts: accuracy ± CI, exact McNemar and paired bootstrap on shared examples, time,
-    tokens, memory (report.md + report.json).
+    """Compare eval artifacts (accuracy ± CI, exact McNemar and paired bootstrap on shared examples, time,
+    tokens, memory) and train runs (curves.png, quality-vs-time-vs-memory table). report.md + report.json.
 
-    Example:
+    Examples:
 
         qerl report out/eval-bf16 out/eval-rtn out/eval-awq -o out/report
+
+        qerl report out/run-nvfp4-aqn out/run-nvfp4 out/run-bf16 --target-accuracy 0.6 -o out/report-runs
     """
     from .report import report
 
-    report(artifacts, output, force=force)
+    report(artifacts, output, force=force, target_accuracy=target_accuracy)
 
 
 @app.command("train")

@@ -20,6 +20,7 @@ EVAL_EXAMPLES = "examples.jsonl"
 EVAL_SUMMARY = "summary.json"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
+REPORT_CURVES = "curves.png"
 FOLDING = "awq_folding.safetensors"  # per folded module: the s its weight was divided by
 # run (train) artifacts
 RUN_CONFIG = "train_config.json"  # resolved config, inputs, policy, definitions; written first

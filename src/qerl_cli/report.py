@@ -68,20 +68,99 @@ def _markdown(rows: list[dict], paired: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def report(paths: list[str | Path], output: str | Path, force: bool = False) -> artifact.Artifact:
-    """Compare eval artifacts (the first is the baseline of the paired tests)."""
+CURVES = ("accuracy", "reward_mean", "informative_fraction", "entropy")
+
+
+def _run_rows(arts: list[artifact.Artifact], target: float | None) -> list[dict]:
+    rows = []
+    for a in arts:
+        steps = [json.loads(line) for line in a.file(names.RUN_METRICS).read_text().splitlines() if line.strip()]
+        if not steps:
+            raise QerlError(f"{a.path} has no steps in {names.RUN_METRICS}.")
+        t, elapsed = 0.0, []
+        for m in steps:
+            t += m.get("time_step_s", 0.0)
+            elapsed.append(t)
+        reached = None
+        if target is not None:
+            for m, e in zip(steps, elapsed):
+                if m.get("accuracy", 0.0) >= target:
+                    reached = {"step": m["step"], "time_s": e}
+                    break
+        peak_cuda = max(m.get("peak_mem_allocated_bytes", 0) or 0 for m in steps)
+        peak_rss = max(m.get("peak_rss_bytes", 0) or 0 for m in steps)
+        rows.append({"path": str(a.path), "steps": len(steps), "time_s": t,
+                     "final": {k: steps[-1].get(k) for k in CURVES},
+                     "best_accuracy": max(m.get("accuracy", 0.0) for m in steps),
+                     "peak_cuda_allocated_bytes": peak_cuda, "peak_rss_bytes": peak_rss,
+                     "target_accuracy": target,
+                     "time_to_target": reached if reached else ("not reached within budget" if target is not None else None),
+                     "curves": {k: [[e, m.get(k)] for m, e in zip(steps, elapsed)] for k in CURVES}})
+    return rows
+
+
+def _plot(rows: list[dict], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise QerlError("plotting train curves needs matplotlib: pip install 'qerl[plot]'.") from None
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, key in zip(axes.flat, CURVES):
+        for r in rows:
+            pts = [(x, y) for x, y in r["curves"][key] if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=r["path"])
+        ax.set_title(key)
+        ax.set_xlabel("training time (s)")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _run_markdown(rows: list[dict]) -> str:
+    out = ["| run | steps | time s | final accuracy | best accuracy | final entropy | informative | peak CUDA GiB "
+           "| peak RSS GiB | time to target |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = r["final"]
+        ttt = r["time_to_target"]
+        ttt = f"step {ttt['step']}, {ttt['time_s']:.0f} s" if isinstance(ttt, dict) else (ttt or "-")
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        out.append(f"| {r['path']} | {r['steps']} | {r['time_s']:.0f} | {fmt(f['accuracy'])} | {r['best_accuracy']:.3f} | "
+                   f"{fmt(f['entropy'])} | {fmt(f['informative_fraction'])} | "
+                   f"{r['peak_cuda_allocated_bytes'] / 2**30:.2f} | {r['peak_rss_bytes'] / 2**30:.2f} | {ttt} |")
+    return "\n".join(out) + "\n\nCurves: `curves.png` (accuracy, reward, informative-group fraction, entropy vs training time).\n"
+
+
+def report(paths: list[str | Path], output: str | Path, force: bool = False,
+           target_accuracy: float | None = None) -> artifact.Artifact:
+    """Compare eval artifacts (the first is the baseline of the paired tests) and/or train runs (curves,
+    quality-vs-time-vs-memory table, time to ``target_accuracy`` on the training batches)."""
     output = Path(output)
     if not paths:
         raise QerlError("report needs at least one artifact.")
-    arts = [artifact.open_artifact(p, (names.KIND_EVAL,)) for p in paths]
-    rows, paired = _eval_rows(arts)
+    arts = [artifact.open_artifact(p, (names.KIND_EVAL, names.KIND_RUN)) for p in paths]
+    evals = [a for a in arts if a.kind == names.KIND_EVAL]
+    runs = [a for a in arts if a.kind == names.KIND_RUN]
+    rows, paired = _eval_rows(evals) if evals else ([], [])
+    run_rows = _run_rows(runs, target_accuracy) if runs else []
 
     def body(tmp: Path) -> dict:
-        (tmp / names.REPORT_MD).write_text(_markdown(rows, paired))
-        (tmp / names.REPORT_JSON).write_text(json.dumps({"evals": rows, "paired": paired}, indent=1) + "\n")
-        return {"evals": len(rows)}
+        md = (_markdown(rows, paired) if rows else "") + ("\n" if rows and run_rows else "")
+        if run_rows:
+            md += _run_markdown(run_rows)
+            _plot(run_rows, tmp / names.REPORT_CURVES)
+        (tmp / names.REPORT_MD).write_text(md)
+        (tmp / names.REPORT_JSON).write_text(json.dumps({"evals": rows, "paired": paired, "runs": run_rows},
+                                                        indent=1) + "\n")
+        return {"evals": len(rows), "runs": len(run_rows)}
 
-    art = artifact.run_stage(names.KIND_REPORT, output, {"baseline": str(arts[0].path)},
+    art = artifact.run_stage(names.KIND_REPORT, output, {"baseline": str(arts[0].path),
+                                                         "target_accuracy": target_accuracy},
                              [a.as_input(output) for a in arts], body, force=force)
     ui.out.print(art.file(names.REPORT_MD).read_text())
     return art
