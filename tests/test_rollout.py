@@ -10,16 +10,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import SHARED_DATA, run_cli
-from qerl_cli import artifact, names, pack, quantize, rollout, tasks, verify
+from qerl_cli import artifact, names, rollout, tasks
 from qerl_cli.errors import QerlError
 
 
 @pytest.fixture(scope="module")
-def pipeline(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rollout")
-    quantize.quantize(str(tiny_model_dir), root / "quant", progress=False)
-    pack.pack(root / "quant", root / "packed", progress=False)
-    verify.verify(root / "packed", root / "verify", progress=False)
+def pipeline(tiny_pipeline):
+    """The session's tiny quant/pack/verify artifacts (shared, read-only), addressed by their parent dir."""
+    root = tiny_pipeline["packed"].parent
+    assert tiny_pipeline["quant"].parent == root and tiny_pipeline["verify"].parent == root
     return root
 
 
