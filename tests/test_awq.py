@@ -303,3 +303,25 @@ def test_config_defaults():
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         awq.AWQConfig(**kwargs)
+
+
+def test_coupled_search_weighs_the_producer_group():
+    """up -> down: a down scale must not be chosen for down's error alone when it wrecks up's quantization."""
+    g = torch.Generator().manual_seed(3)
+    x_gu = torch.randn(512, 64, generator=g)
+    gate, up = torch.randn(128, 64, generator=g), torch.randn(128, 64, generator=g)
+    x_down = torch.randn(512, 128, generator=g) * torch.logspace(-2, 1, 128)  # wildly uneven channels
+    down = torch.randn(64, 128, generator=g)
+    cfg = awq.AWQConfig(n_grid=10)
+    plain = awq.search_scales(x_down, [down], cfg)
+    coupled = awq.search_scales_coupled(x_down, [down], awq.Producer(x_gu, [gate, up], 1), cfg)
+
+    def producer_error(s):
+        return awq.group_error(x_gu, [gate, awq.fold_into_linear_output(up, s)])
+
+    assert coupled.error_rtn == pytest.approx(awq.group_error(x_down, [down]), rel=1e-6)
+    # the coupled choice never makes the sum of relative errors worse than round-to-nearest (alpha = 0)
+    assert min(coupled.errors) <= coupled.errors[0]
+    # and it hurts the producer less than the down-only choice does
+    assert producer_error(coupled.scales) < producer_error(plain.scales)
+    assert plain.alpha > 0  # the down-only search did move (otherwise the comparison proves nothing)

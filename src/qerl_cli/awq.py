@@ -416,3 +416,56 @@ def search_clip(x: torch.Tensor, weights: Sequence[torch.Tensor], scales: torch.
             total += float(e.gather(0, j.unsqueeze(0)).sum())
     return ClipResult(ratios=ratios, error=total / denom, error_unclipped=curve[1.0], curve=curve,
                       n_tokens=xe.shape[0])
+
+
+@dataclass
+class Producer:
+    """The group whose member ``index`` *produces* the input of a linear-output smoothing group (gate/up for
+    up -> down, q/k/v for v -> o): folding ``s`` divides that member's rows by ``s``, which changes how the
+    producer group quantizes (its rows and its shared global scale). ``x`` is the producer group's input."""
+
+    x: torch.Tensor
+    weights: Sequence[torch.Tensor]
+    index: int
+
+
+def search_scales_coupled(x: torch.Tensor, weights: Sequence[torch.Tensor], producer: Producer,
+                          cfg: AWQConfig | None = None, stats: torch.Tensor | None = None) -> ScaleResult:
+    """:func:`search_scales` for a linear-output group, minimizing the sum of the **relative** output errors
+    (MSE / output power) of the group and of its producer group with the producer member's rows divided by
+    the candidate ``s``. Without the producer term a scale that helps ``down`` can wreck the quantization of
+    ``up`` (and, through the shared global scale, ``gate``). Alpha = 0 leaves both at round-to-nearest."""
+    cfg = cfg or AWQConfig()
+    x = _check_x(x)
+    ws = _check_weights(weights, x.shape[1], x.device)
+    px = subsample_tokens(_check_x(producer.x), cfg.max_tokens, cfg.seed)
+    pws = _check_weights(producer.weights, px.shape[1], px.device)
+    if pws[producer.index].shape[0] != x.shape[1]:
+        raise ValueError("the producer member's outputs must be the group's inputs")
+    if stats is None:
+        stats = activation_stats(x)
+    xe = subsample_tokens(x, cfg.max_tokens, cfg.seed)
+    denom = xe.shape[0] * sum(w.shape[0] for w in ws)
+    pdenom = px.shape[0] * sum(w.shape[0] for w in pws)
+    ref = sum(float(_row_sse(xe, w).sum()) for w in ws) / denom
+    pref = sum(float(_row_sse(px, w).sum()) for w in pws) / pdenom
+    best, errors, err_rtn = None, [], math.nan
+    for alpha in cfg.alphas:
+        s = scales_from_stats(stats.to(torch.float32), alpha)
+        scaled = apply_scales_to_weights(ws, s)
+        g = nvfp4.fused_global_scale(scaled)
+        err = _group_sse(xe if alpha == 0 else xe / s, scaled, [nvfp4.fake_quantize(w, g) for w in scaled]) / denom
+        prod = list(pws)
+        if alpha != 0:
+            prod[producer.index] = fold_into_linear_output(prod[producer.index], s)
+        pg = nvfp4.fused_global_scale(prod)
+        perr = _group_sse(px, prod, [nvfp4.fake_quantize(w, pg) for w in prod]) / pdenom
+        total = err / max(ref, 1e-30) + perr / max(pref, 1e-30)
+        if alpha == 0:
+            err_rtn = err
+        errors.append(total)
+        if best is None or total < best[0]:
+            best = (total, alpha, s, g, err)
+    _, alpha, s, g, err = best
+    return ScaleResult(alpha=alpha, scales=s, error=err, error_rtn=err_rtn, alphas=cfg.alphas, errors=errors,
+                       ref_power=ref, global_scale=g, n_tokens=xe.shape[0])

@@ -187,6 +187,18 @@ def fold_group(layer, group: Group, s: torch.Tensor) -> None:
             lin.weight.copy_(awq.apply_scales_to_weights([lin.weight], s)[0].to(lin.weight.dtype))
 
 
+def _producer(groups: list[Group], g: Group, captures: dict, layer) -> "awq.Producer | None":
+    """For a linear-output group, the (not yet folded) group that holds its ``prev`` linear."""
+    if g.prev_is_norm:
+        return None
+    owner = next((o for o in groups if g.prev in o.linears), None)
+    if owner is None:
+        return None
+    x, _ = captures[owner.name].result()
+    return awq.Producer(x, [layer.get_submodule(n).weight.detach().float() for n in owner.linears],
+                        owner.linears.index(g.prev))
+
+
 def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: CalibrateConfig
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict], dict[str, float]]:
     """Search and fold one layer; returns (next hidden, scales per group, report rows, clip ratios)."""
@@ -208,7 +220,11 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
     for g in groups:  # scales, folded in order (a later group sees the earlier folds, as quantize applies them)
         x, stats = captures[g.name].result()
         weights = [layer.get_submodule(n).weight.detach().float().clone() for n in g.linears]
-        res = awq.search_scales(x, weights, acfg, stats=stats)
+        producer = _producer(groups, g, captures, layer)
+        if producer is None:
+            res = awq.search_scales(x, weights, acfg, stats=stats)
+        else:  # v -> o, up -> down: also weigh what the fold does to the group that produces x
+            res = awq.search_scales_coupled(x, weights, producer, acfg, stats=stats)
         fold_group(layer, g, res.scales)
         scales[g.name] = res.scales
         xs[g.name] = x
