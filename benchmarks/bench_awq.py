@@ -74,6 +74,7 @@ def main() -> None:
     stage("quantize", model, "--calib", str(work / "calib"), "-o", str(work / "quant-awq"))
 
     from qerl_cli import artifact, modelio, packed_model
+    from qerl_cli.calibrate import relative_errors
     from qerl_cli.pack import load_checkpoint
 
     calib = artifact.open_artifact(work / "calib", "calib")
@@ -93,8 +94,9 @@ def main() -> None:
     per_type: dict[str, dict[str, list[float]]] = {}
     for r in report["groups"]:
         d = per_type.setdefault(r["group"], {"rtn": [], "awq": []})
-        d["rtn"].append(r["error_rtn"] / r["ref_power"])
-        d["awq"].append(r["error_awq"] / r["ref_power"])
+        rel_rtn, rel_awq = relative_errors(r)
+        d["rtn"].append(rel_rtn)
+        d["awq"].append(rel_awq)
     gap_closed = (results["rtn"] - results["awq"]) / (results["rtn"] - results["bf16"])
     out = {
         "machine": f"{platform.node()} CPU ({torch.get_num_threads()} threads), no GPU",

@@ -303,6 +303,13 @@ def clipped_fake_quantize(weight: torch.Tensor, gscale: torch.Tensor | None = No
     return nvfp4.dequantize(nvfp4.quantize_codes(weight, scales, gscale), scales, gscale)
 
 
+def output_power(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> float:
+    """``mean((x @ W_i^T)^2)`` over the group's outputs: the scale that makes an output error relative."""
+    x = _check_x(x)
+    ws = _check_weights(weights, x.shape[1], x.device)
+    return sum(float(_row_sse(x, w).sum()) for w in ws) / (x.shape[0] * sum(w.shape[0] for w in ws))
+
+
 def group_error(x: torch.Tensor, weights: Sequence[torch.Tensor], s: torch.Tensor | None = None,
                 ratios: Sequence[float | torch.Tensor] | None = None) -> float:
     """Mean squared output error of a group under NVFP4 (no subsampling: pass the tokens you want):

@@ -228,8 +228,11 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
         fold_group(layer, g, res.scales)
         scales[g.name] = res.scales
         xs[g.name] = x
-        rtn = awq.group_error(awq.subsample_tokens(x, acfg.max_tokens, acfg.seed), [original[n] for n in g.linears])
-        rows.append({"group": g.name, "alpha": res.alpha, "error_rtn": rtn, "ref_power": res.ref_power})
+        xe = awq.subsample_tokens(x, acfg.max_tokens, acfg.seed)
+        orig = [original[n] for n in g.linears]
+        rtn = awq.group_error(xe, orig)
+        rows.append({"group": g.name, "alpha": res.alpha, "error_rtn": rtn,
+                     "ref_power_rtn": awq.output_power(xe, orig)})
     clip: dict[str, float] = {}
     for g, row in zip(groups, rows):  # clip ratios under the final (all folds applied) weights
         x = awq.subsample_tokens(xs[g.name] / scales[g.name], acfg.max_tokens, acfg.seed)
@@ -239,6 +242,8 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
             ratios = [float(r) for r in awq.search_clip(x, weights, None, acfg).ratios]
         row["clip_ratios"] = dict(zip(g.linears, ratios))
         row["error_awq"] = awq.group_error(x, weights, None, ratios)
+        # the final group's own output power (a fold on its producer rescales e.g. up_proj's outputs)
+        row["ref_power_awq"] = awq.output_power(x, weights)
         for n, r in zip(g.linears, ratios):
             clip[n] = r
     return nxt, scales, rows, clip
@@ -298,16 +303,22 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     return art
 
 
+def relative_errors(row: dict) -> tuple[float, float]:
+    """(RTN, AWQ) output MSE of a group relative to its output power (original weights for RTN, final ones
+    for AWQ)."""
+    return (row["error_rtn"] / max(row["ref_power_rtn"], 1e-30), row["error_awq"] / max(row["ref_power_awq"], 1e-30))
+
+
 def print_summary(report: dict) -> None:
     t = Table(title="qerl calibrate — output MSE per group (RTN vs AWQ, relative to output power)")
     for c in ("layer", "group", "alpha", "clip", "RTN rel. err", "AWQ rel. err", "gain"):
         t.add_column(c, justify="right")
     for r in report["groups"]:
-        p = max(r["ref_power"], 1e-30)
+        rel_rtn, rel_awq = relative_errors(r)
         clips = ",".join(f"{v:g}" for v in r["clip_ratios"].values())
-        gain = r["error_rtn"] / r["error_awq"] if r["error_awq"] > 0 else float("inf")
-        t.add_row(str(r["layer"]), r["group"], f"{r['alpha']:.2f}", clips, f"{r['error_rtn'] / p:.3e}",
-                  f"{r['error_awq'] / p:.3e}", f"{gain:.2f}x")
+        gain = rel_rtn / rel_awq if rel_awq > 0 else float("inf")
+        t.add_row(str(r["layer"]), r["group"], f"{r['alpha']:.2f}", clips, f"{rel_rtn:.3e}", f"{rel_awq:.3e}",
+                  f"{gain:.2f}x")
     ui.out.print(t)
 
 
