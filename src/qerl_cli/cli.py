@@ -184,6 +184,54 @@ def rollout_cmd(
             config_file=config, force=force, progress=progress)
 
 
+@app.command("train")
+def train_cmd(
+    source: Annotated[str, typer.Argument(help="packed artifact (NVFP4, must be verified), or a model (HF dir, .gguf, 'smollm2-135m-instruct') for the bf16 LoRA baseline.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Run directory to write (a `run` artifact).")],
+    task: Annotated[Optional[str], typer.Option("--task", help="arith[:N] or a GSM8K-style jsonl/json/parquet (question + answer with '#### x').")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Planned steps (AQN and lr schedules span them).")] = None,
+    prompts_per_step: Annotated[Optional[int], typer.Option("--prompts-per-step", help="Prompts per step over all ranks.")] = None,
+    group: Annotated[Optional[int], typer.Option("--group", "-G", help="Completions per prompt.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Token limit per completion.")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (AdamW on the LoRA factors).")] = None,
+    sigma_start: Annotated[Optional[float], typer.Option("--sigma-start", help="AQN sigma of the first noisy stage.")] = None,
+    sigma_end: Annotated[Optional[float], typer.Option("--sigma-end", help="AQN sigma of the last stage.")] = None,
+    sigma_stages: Annotated[Optional[int], typer.Option("--sigma-stages", help="AQN stages K (stage 0 has no noise).")] = None,
+    objective: Annotated[Optional[str], typer.Option("--objective", help="'clean' (training forward without noise) or 'replay' (redraw the rollout's noise).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of LoRA init, prompt order, sampling and noise.")] = None,
+    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Checkpoint every N steps (and at the end).")] = None,
+    verify_dir: Annotated[Optional[Path], typer.Option("--verify", help="verify artifact of the pack (default: PACKED/../verify).")] = None,
+    skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Train on an unverified pack (recorded in the run).")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an unfinished run from its last complete step dir.")] = False,
+    stop_after: Annotated[Optional[int], typer.Option("--stop-after", help="Stop after N steps of this invocation, leaving the run unfinished (time-boxed jobs; continue with --resume).")] = None,
+    config: ConfigFile = None,
+    force: Force = False,
+    progress: Progress = True,
+) -> None:
+    """GRPO/DAPO with LoRA on the frozen NVFP4 backbone under the AQN noise schedule (a `run` artifact).
+
+    Writes train_config.json, metrics.jsonl (one line per step) and step-XXXXXXXX/ checkpoints (PEFT adapter,
+    optimizer, RNG, data cursor); manifest.json when the run is complete. Data parallel with torchrun.
+
+    Examples:
+
+        qerl train out/packed --task arith:4096 --steps 100 -G 8 --prompts-per-step 32 --max-new-tokens 64 -o out/run
+
+        qerl train out/packed --task arith --steps 2 --prompts-per-step 2 -G 2 --max-new-tokens 16 -o out/run-cpu
+
+        torchrun --nproc-per-node 2 -m qerl_cli.cli train out/packed --task arith --steps 100 -o out/run-dp
+
+        qerl rollout out/packed --prompts arith:64 --adapter out/run/step-00000100 -o out/rollout-trained
+    """
+    from .train import train
+
+    train(source, output, task=task, steps=steps, prompts_per_step=prompts_per_step, group=group,
+          max_new_tokens=max_new_tokens, lr=lr, sigma_start=sigma_start, sigma_end=sigma_end,
+          sigma_stages=sigma_stages, objective=objective, seed=seed, save_every=save_every, verify_dir=verify_dir,
+          skip_verify=skip_verify, resume=resume, stop_after=stop_after, config_file=config, force=force,
+          progress=progress)
+
+
 @app.command("evaluate")
 def evaluate_cmd(
     source: Annotated[str, typer.Argument(help="packed or quant artifact, or a model (HF dir, .gguf, 'smollm2-135m-instruct').")],
@@ -237,54 +285,6 @@ def report_cmd(
     from .report import report
 
     report(artifacts, output, force=force, target_accuracy=target_accuracy)
-
-
-@app.command("train")
-def train_cmd(
-    source: Annotated[str, typer.Argument(help="packed artifact (NVFP4, must be verified), or a model (HF dir, .gguf, 'smollm2-135m-instruct') for the bf16 LoRA baseline.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Run directory to write (a `run` artifact).")],
-    task: Annotated[Optional[str], typer.Option("--task", help="arith[:N] or a GSM8K-style jsonl/json/parquet (question + answer with '#### x').")] = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Planned steps (AQN and lr schedules span them).")] = None,
-    prompts_per_step: Annotated[Optional[int], typer.Option("--prompts-per-step", help="Prompts per step over all ranks.")] = None,
-    group: Annotated[Optional[int], typer.Option("--group", "-G", help="Completions per prompt.")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Token limit per completion.")] = None,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (AdamW on the LoRA factors).")] = None,
-    sigma_start: Annotated[Optional[float], typer.Option("--sigma-start", help="AQN sigma of the first noisy stage.")] = None,
-    sigma_end: Annotated[Optional[float], typer.Option("--sigma-end", help="AQN sigma of the last stage.")] = None,
-    sigma_stages: Annotated[Optional[int], typer.Option("--sigma-stages", help="AQN stages K (stage 0 has no noise).")] = None,
-    objective: Annotated[Optional[str], typer.Option("--objective", help="'clean' (training forward without noise) or 'replay' (redraw the rollout's noise).")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of LoRA init, prompt order, sampling and noise.")] = None,
-    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Checkpoint every N steps (and at the end).")] = None,
-    verify_dir: Annotated[Optional[Path], typer.Option("--verify", help="verify artifact of the pack (default: PACKED/../verify).")] = None,
-    skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Train on an unverified pack (recorded in the run).")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an unfinished run from its last complete step dir.")] = False,
-    stop_after: Annotated[Optional[int], typer.Option("--stop-after", help="Stop after N steps of this invocation, leaving the run unfinished (time-boxed jobs; continue with --resume).")] = None,
-    config: ConfigFile = None,
-    force: Force = False,
-    progress: Progress = True,
-) -> None:
-    """GRPO/DAPO with LoRA on the frozen NVFP4 backbone under the AQN noise schedule (a `run` artifact).
-
-    Writes train_config.json, metrics.jsonl (one line per step) and step-XXXXXXXX/ checkpoints (PEFT adapter,
-    optimizer, RNG, data cursor); manifest.json when the run is complete. Data parallel with torchrun.
-
-    Examples:
-
-        qerl train out/packed --task arith:4096 --steps 100 -G 8 --prompts-per-step 32 --max-new-tokens 64 -o out/run
-
-        qerl train out/packed --task arith --steps 2 --prompts-per-step 2 -G 2 --max-new-tokens 16 -o out/run-cpu
-
-        torchrun --nproc-per-node 2 -m qerl_cli.cli train out/packed --task arith --steps 100 -o out/run-dp
-
-        qerl rollout out/packed --prompts arith:64 --adapter out/run/step-00000100 -o out/rollout-trained
-    """
-    from .train import train
-
-    train(source, output, task=task, steps=steps, prompts_per_step=prompts_per_step, group=group,
-          max_new_tokens=max_new_tokens, lr=lr, sigma_start=sigma_start, sigma_end=sigma_end,
-          sigma_stages=sigma_stages, objective=objective, seed=seed, save_every=save_every, verify_dir=verify_dir,
-          skip_verify=skip_verify, resume=resume, stop_after=stop_after, config_file=config, force=force,
-          progress=progress)
 
 
 def _on_sigterm(signum, frame):  # turn a polite kill into an exception so temporaries are cleaned up
