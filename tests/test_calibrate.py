@@ -162,3 +162,20 @@ def test_bad_data_specs(case, tiny_model_dir, tmp_path):
     assert expected[case] in " ".join(r.stderr.split())
     assert not out.exists()
     assert not list(tmp_path.glob(".calib.tmp-*"))
+
+
+def test_chat_shaped_rows_use_the_chat_template(smollm2_tokenizer):
+    from qerl_cli import data
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(40)]
+    recs = data.Records(rows, {"type": "file", "spec": "chat.jsonl", "sha256": "0"})
+    cfg = calibrate.CalibrateConfig(samples=2, seq_len=64, field="messages", split="train", seed=0, n_grid=4,
+                                    clip_search=False, clip_ratios=(1.0,), max_tokens=64, batch_size=2,
+                                    progress=False)
+    tokens, info = calibrate.build_samples(recs, smollm2_tokenizer, cfg)
+    text = smollm2_tokenizer.decode(tokens[0].tolist())
+    assert tokens.shape == (2, 64) and "<|im_start|>user" in text and "<|im_start|>assistant" in text
+    first = rows[info["row_indices"][0]]
+    expected = smollm2_tokenizer.apply_chat_template(first["messages"], tokenize=False)
+    assert smollm2_tokenizer.decode(tokens.flatten()[: info["row_token_lengths"][0]].tolist()) == expected

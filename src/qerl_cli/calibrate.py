@@ -118,7 +118,7 @@ def build_samples(records: data.Records, tokenizer, cfg: CalibrateConfig) -> tup
     ids: list[int] = []
     used, lengths = [], []
     eos = tokenizer.eos_token_id
-    for i in order:
+    for i in ui.track(order, "tokenizing calibration rows", enabled=cfg.progress):
         text = data.row_text(records.rows[i], fields, tokenizer)
         toks = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not toks:
