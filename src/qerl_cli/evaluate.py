@@ -18,7 +18,8 @@ from rich.table import Table
 from . import artifact, config, names, stats, tasks, ui
 from .engine import Engine, SamplingConfig
 from .errors import QerlError
-from .rollout import _fix_tokenizer, eos_ids, load_policy
+from .modelio import fix_tokenizer
+from .rollout import eos_ids, load_policy
 
 
 @dataclass
@@ -87,7 +88,7 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
     if not problems:
         raise QerlError(f"{data_spec} holds no problems.")
     model, tok, input_arts, info = _load_source(source, device, verify_dir, skip_verify)
-    _fix_tokenizer(tok)
+    fix_tokenizer(tok)
     lora = None
     if adapter is not None:
         from .adapter import load_lora

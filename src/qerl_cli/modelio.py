@@ -76,14 +76,19 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
     return ModelSource(s, p, None)
 
 
-def fix_special_tokens(model, tokenizer) -> None:
-    """Chat models whose end-of-turn is ``<|im_end|>`` must stop and pad on it (SmolLM2's GGUF says otherwise)."""
-    vocab = tokenizer.get_vocab()
-    if CHAT_END_TOKEN in vocab:
+def fix_tokenizer(tokenizer) -> None:
+    """Chat models whose end-of-turn is ``<|im_end|>`` must stop and pad on it (SmolLM2's GGUF says otherwise);
+    any other tokenizer without a pad token pads with eos."""
+    if CHAT_END_TOKEN in tokenizer.get_vocab():
         tokenizer.eos_token = CHAT_END_TOKEN
         tokenizer.pad_token = CHAT_END_TOKEN
     elif tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+
+
+def fix_special_tokens(model, tokenizer) -> None:
+    """:func:`fix_tokenizer`, and the model's config and generation config made to agree with it."""
+    fix_tokenizer(tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     for cfg in (model.config, getattr(model, "generation_config", None)):
         if cfg is not None:

@@ -102,14 +102,6 @@ def load_policy(source: str | Path, device: str, dtype: torch.dtype | None = Non
     return model.to(device), tok, [ms.as_input()], {"weights": str(dt).replace("torch.", ""), "model": ms.spec}
 
 
-def _fix_tokenizer(tok) -> None:
-    if "<|im_end|>" in tok.get_vocab():
-        tok.eos_token = "<|im_end|>"
-        tok.pad_token = "<|im_end|>"
-    elif tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-
-
 def eos_ids(model, tok) -> set[int]:
     ids = {tok.eos_token_id}
     ge = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -157,7 +149,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
             raise QerlError("--engine vllm needs a packed artifact made from a quant checkpoint.")
         vllm_engine = vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
     model, tok, input_arts, info = load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
-    _fix_tokenizer(tok)
+    modelio.fix_tokenizer(tok)
     problems = None
     if prompts.startswith("arith") or not prompts.endswith(".txt"):
         try:

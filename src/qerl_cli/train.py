@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import artifact, config, grpo, lora, names, rollout, tasks, ui
+from . import artifact, config, grpo, lora, modelio, names, rollout, tasks, ui
 from .engine import Engine, SamplingConfig
 from .errors import QerlError
 
@@ -619,7 +619,7 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
         torch.cuda.set_device(torch.device(device))
 
     model, tok, input_arts, info = rollout.load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
-    rollout._fix_tokenizer(tok)
+    modelio.fix_tokenizer(tok)
     problems = tasks.load_problems(cfg.task, cfg.seed, cfg.num_problems or None)
     if len(problems) < 1:
         raise QerlError(f"{cfg.task} holds no problems.")
