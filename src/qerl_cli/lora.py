@@ -25,11 +25,9 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 def _peft():
     try:
-        import peft  # noqa: F401
+        from peft.tuners.lora.layer import Linear
     except ImportError:  # pragma: no cover - a declared dependency
         raise QerlError("training needs peft (pip install 'peft>=0.14').") from None
-    from peft.tuners.lora.layer import Linear
-
     return Linear
 
 

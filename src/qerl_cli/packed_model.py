@@ -100,12 +100,15 @@ def _load_rest(model, tensors: dict[str, torch.Tensor], skip: set[str], dtype: t
         model.tie_weights()
 
 
-def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """The model of a ``packed`` artifact with every quantized Linear replaced by :class:`PackedLinear`."""
+def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                      tensors: dict[str, torch.Tensor] | None = None):
+    """The model of a ``packed`` artifact with every quantized Linear replaced by :class:`PackedLinear`
+    (``tensors``: the artifact's weights when the caller has already read them)."""
     index = json.loads(art.file(names.PACKED_INDEX).read_text())
     if index.get("layout") != layout.LAYOUT_NAME:
         raise QerlError(f"{art.path} uses packed layout '{index.get('layout')}'; this qerl reads {layout.LAYOUT_NAME}.")
-    tensors = load_file(str(art.file(names.MODEL_WEIGHTS)))
+    if tensors is None:
+        tensors = load_file(str(art.file(names.MODEL_WEIGHTS)))
     model = _skeleton(art.path, dtype)
     skip = set()
     for name, info in index["linears"].items():

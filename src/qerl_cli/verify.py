@@ -228,7 +228,7 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
         index = json.loads(p.file(names.PACKED_INDEX).read_text())
         round_trip = check_round_trip(packed_tensors, index, ref_tensors, lineage_ok)
         act_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
-        pmodel = load_packed_model(p, act_dtype, cfg.device)
+        pmodel = load_packed_model(p, act_dtype, cfg.device, tensors=packed_tensors)
         rows = check_projections(pmodel, ref_tensors, cfg)
         rmodel = load_dequantized_model(ref_tensors, q.path, torch.float32, cfg.device)
         tokenizer = AutoTokenizer.from_pretrained(str(p.path))
