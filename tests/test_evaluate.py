@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import SHARED_DATA, run_cli
-from qerl_cli import evaluate, names, report, stats
+from qerl_cli import artifact, evaluate, names, report, stats
 from qerl_cli.errors import QerlError
 
 
@@ -120,9 +120,37 @@ def test_report_on_runs_time_to_target_and_curves(tmp_path):
     r = report.report([a, b], tmp_path / "rep", target_accuracy=0.6)
     data = json.loads(r.file(names.REPORT_JSON).read_text())
     ra, rb = data["runs"]
-    assert ra["time_to_target"] == {"step": 3, "time_s": 30.0}
+    assert ra["time_to_target"] == {"step": 3, "time_s": 30.0, "metric": "accuracy"}
     assert rb["time_to_target"] == "not reached within budget"  # never extrapolated
     assert ra["best_accuracy"] == 0.7 and rb["time_s"] == 15.0
     png = r.file(names.REPORT_CURVES).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "not reached within budget" in r.file(names.REPORT_MD).read_text()
+
+
+def test_report_time_to_target_uses_heldout_accuracy(tmp_path):
+    """With held-out evaluations in the run, the target is judged on them (at the training time of their step,
+    evaluation time excluded), not on the accuracy of the training samples."""
+    path = tmp_path / "run-h"
+    path.mkdir()
+    lines = [{"step": 0, "time_elapsed_s": 0.0, "heldout_accuracy": 0.3, "heldout_ci95": [0.2, 0.4], "heldout_n": 100}]
+    for i, (train_acc, held) in enumerate([(0.7, None), (0.8, 0.5), (0.8, None), (0.9, 0.62)]):
+        m = {"step": i + 1, "accuracy": train_acc, "reward_mean": train_acc, "informative_fraction": 0.5,
+             "entropy": 0.5, "time_step_s": 7.0, "time_elapsed_s": 7.0 * (i + 1), "peak_rss_bytes": 2**30,
+             "peak_mem_allocated_bytes": 2**31, "time_rollout_s": 4.0, "time_logprobs_s": 1.0,
+             "time_backward_s": 1.5, "time_optimizer_s": 0.1}
+        if held is not None:
+            m |= {"heldout_accuracy": held, "heldout_ci95": [held - 0.1, held + 0.1], "heldout_n": 100,
+                  "time_eval_s": 50.0}
+        lines.append(m)
+    (path / names.RUN_METRICS).write_text("".join(json.dumps(m) + "\n" for m in lines))
+    artifact.write_manifest(path, names.KIND_RUN, {"steps": 4}, [], "sha256:" + "1" * 64, {})
+    r = report.report([path], tmp_path / "rep", target_accuracy=0.6)
+    (row,) = json.loads(r.file(names.REPORT_JSON).read_text())["runs"]
+    assert row["time_to_target"] == {"step": 4, "time_s": 28.0, "metric": "heldout_accuracy"}
+    assert row["steps"] == 4 and row["time_s"] == 28.0
+    assert row["heldout"]["first"] == 0.3 and row["heldout"]["final"] == 0.62 and row["heldout"]["best"] == 0.62
+    assert row["curves"]["heldout_accuracy"] == [[0.0, 0.3], [14.0, 0.5], [28.0, 0.62]]
+    assert row["mean_phase_time_s"]["rollout"] == 4.0
+    md = r.file(names.REPORT_MD).read_text()
+    assert "0.300 → 0.620" in md and "step 4, 28 s" in md

@@ -148,3 +148,18 @@ def test_arithmetic_generator():
             x, op, y = q[len("What is "):-1].split()
             assert int(p.answer) == (int(x) + int(y) if op == "+" else int(x) * int(y))
     assert all(int(p.answer) < 100 for p in a)
+
+
+def _operands(p):
+    return tuple(sorted(int(w) for w in p.question.replace("?", " ").split() if w.isdigit()))
+
+
+def test_arithmetic_heldout_split_is_disjoint_from_training():
+    train, held = tasks.arithmetic_problems(2000, 0), tasks.arithmetic_problems(500, 0, split="heldout")
+    train_pairs, held_pairs = {_operands(p) for p in train}, {_operands(p) for p in held}
+    assert held_pairs and not train_pairs & held_pairs
+    assert not {p.question for p in train} & {p.question for p in held}
+    assert len(train_pairs) > 30 and len(held_pairs) > 5  # both splits cover many operand pairs
+    assert {p.question.split()[0] for p in held} >= {"What"}  # add/mul kinds present in held-out too
+    with pytest.raises(QerlError, match="splits"):
+        tasks.arithmetic_problems(5, 0, split="test")

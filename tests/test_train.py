@@ -123,6 +123,73 @@ def test_resume_continues_exactly(tiny_pipeline, tmp_path, reward):
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
 
 
+def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):
+    ovr = OVR | {"eval_every": 2, "eval_problems": 6}
+    run = tmp_path / "run"
+    art = train.train(tiny_pipeline["packed"], run, **TINY, overrides=ovr)
+    ms = _metrics(run)
+    assert [m["step"] for m in ms] == [0, 1, 2, 3, 4]
+    assert set(ms[0]) == {"step", "time_elapsed_s", "heldout_accuracy", "heldout_ci95", "heldout_n",
+                          "heldout_parse_failure_rate", "heldout_truncation_rate", "time_eval_s"}
+    assert [("heldout_accuracy" in m) for m in ms] == [True, False, True, False, True]
+    assert all(m["heldout_n"] == 6 and 0 <= m["heldout_accuracy"] <= 1 for m in ms if "heldout_n" in m)
+    assert ms[2]["heldout_ci95"][0] <= ms[2]["heldout_accuracy"] <= ms[2]["heldout_ci95"][1]
+    elapsed = [m["time_elapsed_s"] for m in ms[1:]]
+    assert elapsed == sorted(elapsed) and elapsed[-1] == pytest.approx(sum(m["time_step_s"] for m in ms[1:]))
+    assert art.metrics["heldout_accuracy_first"] == ms[0]["heldout_accuracy"]
+    assert art.metrics["stopped_by"] == "steps" and art.metrics["steps"] == 4
+    # the held-out set: fixed (seed 0 of the held-out split), disjoint from training, same sampling seed
+    cfg = train.TrainConfig(**json.loads((run / names.RUN_CONFIG).read_text())["config"])
+    held = train.heldout_problems(cfg)
+    assert len(held) == 6 and not {p.question for p in held} & {p.question for p in tasks.load_problems("arith:16")}
+    # a time budget finishes the run early: checkpoint, evaluation and manifest at the stopping step
+    budget = train.train(tiny_pipeline["packed"], tmp_path / "budget", **TINY,
+                         overrides=ovr | {"time_budget_s": 1e-6})
+    mb = _metrics(budget.path)
+    assert [m["step"] for m in mb] == [0, 1] and "heldout_accuracy" in mb[1]
+    assert budget.metrics["stopped_by"] == "time_budget" and budget.metrics["steps"] == 1
+    assert (budget.path / "step-00000001" / names.ADAPTER_WEIGHTS).is_file()
+    # identical policy, seed and problems: the step-0 evaluation repeats exactly
+    assert _deterministic(mb[:1]) == _deterministic(ms[:1])
+    with pytest.raises(QerlError, match="eval_task"):
+        train.train(tiny_pipeline["packed"], tmp_path / "x", **(TINY | {"task": str(tiny_pipeline["packed"])}),
+                    overrides=ovr)
+
+
+def test_gradient_checkpointing_gives_the_same_training(tiny_pipeline, tmp_path, reward):
+    kw = TINY | {"steps": 2, "save_every": 2}
+    plain = train.train(tiny_pipeline["packed"], tmp_path / "plain", **kw, overrides=OVR)
+    ckpt = train.train(tiny_pipeline["packed"], tmp_path / "ckpt", **kw,
+                       overrides=OVR | {"gradient_checkpointing": True})
+    mp, mc = _metrics(plain.path), _metrics(ckpt.path)
+    assert mp[-1]["loss"] != 0
+    for a, b in zip(mp, mc):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    a, b = _adapter(plain.path / "step-00000002"), _adapter(ckpt.path / "step-00000002")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_engine_checkpointing_recomputes_layers(tiny_pipeline):
+    model, tok, _, _ = rollout.load_policy(tiny_pipeline["packed"], "cpu")
+    pm = lora.wrap(model, 4, 8.0, ("q_proj", "down_proj"), 0)
+    with torch.no_grad():
+        for _, prm in lora.trainable(pm):
+            prm.normal_(0, 0.05)
+    grads = []
+    for flag in (False, True):
+        eng = Engine(pm.get_base_model(), "cpu", grad_checkpoint=flag)
+        calls, layer = [], eng._layer
+        eng._layer = lambda i, *a: calls.append(i) or layer(i, *a)
+        lp = eng.sequence_logprobs([[1, 2, 3], [4, 5]], torch.tensor([[6, 7], [8, 9]]), torch.ones(2, 2, dtype=torch.bool),
+                                   1.0, 0)
+        pm.zero_grad()
+        lp.sum().backward()
+        grads.append([prm.grad.clone() for _, prm in lora.trainable(pm)])
+        assert calls == ([0, 1, 1, 0] if flag else [0, 1])  # the backward pass ran the layers again
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+
+
 def test_replay_objective_reproduces_the_behaviour_policy(tiny_pipeline, tmp_path, reward):
     kw = TINY | {"steps": 2, "sigma_stages": 2, "sigma_start": 0.2, "sigma_end": 0.2, "save_every": 2}
     ovr = OVR | {"noise_scope": "group", "batch_prompts": 2}

@@ -204,6 +204,10 @@ def train_cmd(
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Train on an unverified pack (recorded in the run).")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an unfinished run from its last complete step dir.")] = False,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", help="Stop after N steps of this invocation, leaving the run unfinished (time-boxed jobs; continue with --resume).")] = None,
+    time_budget: Annotated[Optional[float], typer.Option("--time-budget", help="Finish the run after this many seconds of training (held-out evaluations not counted); 0 = none.")] = None,
+    eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="Held-out accuracy (adapter on, AQN off) before step 1 and every N steps; 0 = off.")] = None,
+    eval_task: Annotated[Optional[str], typer.Option("--eval-task", help="Held-out dataset (default: the arith task's held-out split).")] = None,
+    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute layers in the backward pass (less memory).")] = None,
     config: ConfigFile = None,
     force: Force = False,
     progress: Progress = True,
@@ -219,6 +223,8 @@ def train_cmd(
 
         qerl train out/packed --task arith --steps 2 --prompts-per-step 2 -G 2 --max-new-tokens 16 -o out/run-cpu
 
+        qerl train out/packed --steps 300 --time-budget 360 --eval-every 10 -o out/run-6min
+
         torchrun --nproc-per-node 2 -m qerl_cli.cli train out/packed --task arith --steps 100 -o out/run-dp
 
         qerl rollout out/packed --prompts arith:64 --adapter out/run/step-00000100 -o out/rollout-trained
@@ -229,7 +235,8 @@ def train_cmd(
           max_new_tokens=max_new_tokens, lr=lr, sigma_start=sigma_start, sigma_end=sigma_end,
           sigma_stages=sigma_stages, objective=objective, seed=seed, save_every=save_every, verify_dir=verify_dir,
           skip_verify=skip_verify, resume=resume, stop_after=stop_after, config_file=config, force=force,
-          progress=progress)
+          progress=progress, overrides={"time_budget_s": time_budget, "eval_every": eval_every,
+                                        "eval_task": eval_task, "gradient_checkpointing": gradient_checkpointing})
 
 
 @app.command("evaluate")

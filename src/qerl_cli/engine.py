@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .errors import QerlError
 
@@ -112,7 +113,8 @@ class LoRA:
 
 
 class Engine:
-    def __init__(self, model, device: str | torch.device | None = None, cuda_graph: bool = True):
+    def __init__(self, model, device: str | torch.device | None = None, cuda_graph: bool = True,
+                 grad_checkpoint: bool = False):
         mt = getattr(model.config, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise QerlError(f"the rollout engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not '{mt}'.")
@@ -136,6 +138,8 @@ class Engine:
         self._noisy: list[dict[str, torch.Tensor]] | None = None  # [H] or [R, 1, H] per layer and target
         self.lora: LoRA | None = None
         self.use_graph = cuda_graph and self.device.type == "cuda"
+        # differentiable forwards without a cache recompute each layer in the backward pass
+        self.grad_checkpoint = grad_checkpoint
         self._graph = None
         self._eos: set[int] = set()
 
@@ -219,36 +223,46 @@ class Engine:
         # every query also sees its own slot: a left-padding query would otherwise see nothing (NaN); real
         # queries see their own slot anyway
         mask = (causal[None, None] & key_mask[:, None, None, :]) | (slots[None, :] == qpos[:, None])[None, None]
-        for i, layer in enumerate(self.layers):
-            pre = f"model.layers.{i}."
+        ckpt = self.grad_checkpoint and cache is None and torch.is_grad_enabled()
+        for i in range(len(self.layers)):
             nw = norms[i]
-            w_in = nw["input_layernorm"]
-            w_post = nw["post_attention_layernorm"]
+            w_in, w_post = nw["input_layernorm"], nw["post_attention_layernorm"]
             if rows is not None and w_in.dim() == 3:
                 w_in, w_post = w_in[rows], w_post[rows]
-            attn = layer.self_attn
-            x = _rms_norm(h, w_in, self.eps)
-            q = self._linear(attn.q_proj, pre + "self_attn.q_proj", x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-            k = self._linear(attn.k_proj, pre + "self_attn.k_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-            v = self._linear(attn.v_proj, pre + "self_attn.v_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            if cache is not None:
-                kc, vc = cache[i]
-                idx = write_at + torch.arange(t, device=ids.device)
-                kc.index_copy_(2, idx, k.to(kc.dtype))
-                vc.index_copy_(2, idx, v.to(vc.dtype))
-                k, v = kc, vc
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-            o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
-            h = h + self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
-            x = _rms_norm(h, w_post, self.eps)
-            mlp = layer.mlp
-            g = self._linear(mlp.gate_proj, pre + "mlp.gate_proj", x)
-            u = self._linear(mlp.up_proj, pre + "mlp.up_proj", x)
-            h = h + self._linear(mlp.down_proj, pre + "mlp.down_proj", F.silu(g) * u)
+            if ckpt:  # keep only each layer's input; recompute the layer in the backward pass
+                h = torch.utils.checkpoint.checkpoint(self._layer, i, h, w_in, w_post, cos, sin, mask, None, None,
+                                                      use_reentrant=False)
+            else:
+                h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, write_at)
         h = _rms_norm(h, self.final_norm, self.eps)
         return self.lm_head(h)
+
+    def _layer(self, i: int, h: torch.Tensor, w_in: torch.Tensor, w_post: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, mask: torch.Tensor, cache, write_at) -> torch.Tensor:
+        """One decoder layer (pre-norm attention + pre-norm SwiGLU MLP, residuals) on hidden states ``h``."""
+        b, t, _ = h.shape
+        layer, pre = self.layers[i], f"model.layers.{i}."
+        attn = layer.self_attn
+        x = _rms_norm(h, w_in, self.eps)
+        q = self._linear(attn.q_proj, pre + "self_attn.q_proj", x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self._linear(attn.k_proj, pre + "self_attn.k_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self._linear(attn.v_proj, pre + "self_attn.v_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            kc, vc = cache[i]
+            idx = write_at + torch.arange(t, device=h.device)
+            kc.index_copy_(2, idx, k.to(kc.dtype))
+            vc.index_copy_(2, idx, v.to(vc.dtype))
+            k, v = kc, vc
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        h = h + self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
+        x = _rms_norm(h, w_post, self.eps)
+        mlp = layer.mlp
+        g = self._linear(mlp.gate_proj, pre + "mlp.gate_proj", x)
+        u = self._linear(mlp.up_proj, pre + "mlp.up_proj", x)
+        return h + self._linear(mlp.down_proj, pre + "mlp.down_proj", F.silu(g) * u)
 
     # ---------------------------------------------------------------- sampling
     def _new_cache(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -68,34 +68,48 @@ def _markdown(rows: list[dict], paired: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-CURVES = ("accuracy", "reward_mean", "informative_fraction", "entropy")
+CURVES = ("heldout_accuracy", "accuracy", "reward_mean", "informative_fraction", "entropy")
+CURVE_TITLES = {"heldout_accuracy": "held-out accuracy (adapter on, AQN off)",
+                "accuracy": "accuracy on the training samples", "reward_mean": "mean reward",
+                "informative_fraction": "informative-group fraction", "entropy": "entropy (nats / token)"}
 
 
 def _run_rows(arts: list[artifact.Artifact], target: float | None) -> list[dict]:
     rows = []
     for a in arts:
-        steps = [json.loads(line) for line in a.file(names.RUN_METRICS).read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in a.file(names.RUN_METRICS).read_text().splitlines() if line.strip()]
+        steps = [m for m in lines if "time_step_s" in m]  # training steps; a step-0 line holds only an evaluation
         if not steps:
             raise QerlError(f"{a.path} has no steps in {names.RUN_METRICS}.")
-        t, elapsed = 0.0, []
-        for m in steps:
-            t += m.get("time_step_s", 0.0)
-            elapsed.append(t)
+        t, at = 0.0, {}
+        for m in lines:  # training time at the end of each line's step (evaluations not counted)
+            t = m.get("time_elapsed_s", t + m.get("time_step_s", 0.0))
+            at[id(m)] = t
+        held = [m for m in lines if m.get("heldout_accuracy") is not None]
+        # time to target: on held-out accuracy when the run evaluated it, else on the training samples
+        metric = "heldout_accuracy" if held else "accuracy"
         reached = None
         if target is not None:
-            for m, e in zip(steps, elapsed):
-                if m.get("accuracy", 0.0) >= target:
-                    reached = {"step": m["step"], "time_s": e}
+            for m in (held or steps):
+                if m[metric] >= target:
+                    reached = {"step": m["step"], "time_s": at[id(m)], "metric": metric}
                     break
         peak_cuda = max(m.get("peak_mem_allocated_bytes", 0) or 0 for m in steps)
         peak_rss = max(m.get("peak_rss_bytes", 0) or 0 for m in steps)
-        rows.append({"path": str(a.path), "steps": len(steps), "time_s": t,
-                     "final": {k: steps[-1].get(k) for k in CURVES},
+        phases = {k: sum(m.get(f"time_{k}_s", 0.0) for m in steps) / len(steps)
+                  for k in ("rollout", "logprobs", "backward", "optimizer", "step")}
+        rows.append({"path": str(a.path), "steps": len(steps), "time_s": at[id(steps[-1])],
+                     "final": {k: steps[-1].get(k) for k in CURVES if k != "heldout_accuracy"},
                      "best_accuracy": max(m.get("accuracy", 0.0) for m in steps),
+                     "heldout": {"first": held[0]["heldout_accuracy"], "final": held[-1]["heldout_accuracy"],
+                                 "final_ci95": held[-1].get("heldout_ci95"), "n": held[-1].get("heldout_n"),
+                                 "best": max(m["heldout_accuracy"] for m in held)} if held else None,
+                     "mean_phase_time_s": phases,
                      "peak_cuda_allocated_bytes": peak_cuda, "peak_rss_bytes": peak_rss,
                      "target_accuracy": target,
                      "time_to_target": reached if reached else ("not reached within budget" if target is not None else None),
-                     "curves": {k: [[e, m.get(k)] for m, e in zip(steps, elapsed)] for k in CURVES}})
+                     "curves": {k: [[at[id(m)], m.get(k)] for m in (held if k == "heldout_accuracy" else steps)]
+                                for k in CURVES}})
     return rows
 
 
@@ -107,33 +121,42 @@ def _plot(rows: list[dict], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise QerlError("plotting train curves needs matplotlib: pip install 'qerl[plot]'.") from None
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
+    axes.flat[-1].axis("off")
     for ax, key in zip(axes.flat, CURVES):
         for r in rows:
             pts = [(x, y) for x, y in r["curves"][key] if y is not None]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=r["path"])
-        ax.set_title(key)
+        ax.set_title(CURVE_TITLES[key])
         ax.set_xlabel("training time (s)")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
+    labelled = [ax for ax in axes.flat if ax.get_lines()]
+    if labelled:
+        labelled[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
 def _run_markdown(rows: list[dict]) -> str:
-    out = ["| run | steps | time s | final accuracy | best accuracy | final entropy | informative | peak CUDA GiB "
-           "| peak RSS GiB | time to target |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| run | steps | train s | held-out acc first → final [95% CI] (best) | final train-sample acc | "
+           "final entropy | informative | s/step: rollout / log-probs / backward / optimizer | peak CUDA GiB | "
+           "time to target |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
-        f = r["final"]
+        f, h, ph = r["final"], r["heldout"], r["mean_phase_time_s"]
         ttt = r["time_to_target"]
         ttt = f"step {ttt['step']}, {ttt['time_s']:.0f} s" if isinstance(ttt, dict) else (ttt or "-")
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        out.append(f"| {r['path']} | {r['steps']} | {r['time_s']:.0f} | {fmt(f['accuracy'])} | {r['best_accuracy']:.3f} | "
-                   f"{fmt(f['entropy'])} | {fmt(f['informative_fraction'])} | "
-                   f"{r['peak_cuda_allocated_bytes'] / 2**30:.2f} | {r['peak_rss_bytes'] / 2**30:.2f} | {ttt} |")
-    return "\n".join(out) + "\n\nCurves: `curves.png` (accuracy, reward, informative-group fraction, entropy vs training time).\n"
+        held = (f"{h['first']:.3f} → {h['final']:.3f} [{h['final_ci95'][0]:.2f}, {h['final_ci95'][1]:.2f}] "
+                f"({h['best']:.3f})" if h else "-")
+        out.append(f"| {r['path']} | {r['steps']} | {r['time_s']:.0f} | {held} | {fmt(f['accuracy'])} | "
+                   f"{fmt(f['entropy'])} | {fmt(f['informative_fraction'])} | {ph['rollout']:.2f} / "
+                   f"{ph['logprobs']:.2f} / {ph['backward']:.2f} / {ph['optimizer']:.2f} | "
+                   f"{r['peak_cuda_allocated_bytes'] / 2**30:.2f} | {ttt} |")
+    note = ("Time to target is measured on held-out accuracy where the run evaluated it (`--eval-every`), else on "
+            "the accuracy of the training samples; training time excludes evaluations.")
+    return "\n".join(out) + f"\n\n{note}\n\nCurves: `curves.png` ({', '.join(CURVES)} vs training time).\n"
 
 
 def report(paths: list[str | Path], output: str | Path, force: bool = False,

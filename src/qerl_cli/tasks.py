@@ -116,18 +116,29 @@ _NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana")
 _ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "coins")
 
 
+def heldout_pair(a: int, b: int) -> bool:
+    """Operand pairs reserved for the held-out split: (a + 1)(b + 1) = 1 mod 5 (symmetric; 16% of one-digit
+    pairs, e.g. 0+0, 1+2, 3+3)."""
+    return (a + 1) * (b + 1) % 5 == 1
+
+
 def arithmetic_problems(n: int, seed: int, split: str = "train", difficulty: int = 1,
                         kinds: tuple[str, ...] = ("add", "mul", "word")) -> list[Problem]:
     """Generated problems: single-digit add / multiply and one-step word problems. ``difficulty`` d draws
-    operands with d digits. ``split='heldout'`` uses a disjoint seed stream, so train and held-out differ."""
+    operands with d digits. The splits are disjoint in their operand pairs (``heldout_pair``), so no held-out
+    question (nor its commuted form) is ever a training question; each split has its own seed stream."""
     if n < 0 or difficulty < 1:
         raise QerlError("arithmetic task needs n >= 0 and difficulty >= 1.")
+    if split not in ("train", "heldout"):
+        raise QerlError(f"the arithmetic task has splits 'train' and 'heldout', not '{split}'.")
     rng = random.Random(f"{split}:{seed}:{difficulty}")
     lo, hi = (0 if difficulty == 1 else 10 ** (difficulty - 1)), 10 ** difficulty - 1
     out = []
     for _ in range(n):
         kind = rng.choice(kinds)
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        while heldout_pair(a, b) != (split == "heldout"):
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         if kind == "add":
             out.append(Problem(f"What is {a} + {b}?", str(a + b)))
         elif kind == "mul":

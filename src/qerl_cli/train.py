@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import artifact, config, grpo, lora, modelio, names, rollout, tasks, ui
+from . import artifact, config, grpo, lora, modelio, names, rollout, stats, tasks, ui
 from .engine import Engine, SamplingConfig
 from .errors import QerlError
 
@@ -107,6 +107,11 @@ class TrainConfig:
     seed: int
     autocast: bool
     cuda_graph: bool
+    gradient_checkpointing: bool
+    time_budget_s: float
+    eval_every: int
+    eval_task: str
+    eval_problems: int
     progress: bool
     skip_verify: bool = False
     device: str = "cpu"
@@ -138,6 +143,10 @@ class TrainConfig:
             p.append("sigma_start and sigma_end must be >= 0")
         if self.sigma_stages > 2 and (self.sigma_start == 0) != (self.sigma_end == 0):
             p.append("a geometric sigma schedule needs sigma_start and sigma_end both > 0 (or both 0)")
+        if self.time_budget_s < 0 or self.eval_every < 0 or self.eval_problems < 1:
+            p.append("time_budget_s and eval_every must be >= 0 and eval_problems >= 1")
+        if self.eval_every and not self.eval_task and not self.task.startswith("arith"):
+            p.append("eval_every needs eval_task (a held-out dataset) when the task is not the arith generator")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.overlong_buffer < 0:
             p.append("warmup_steps and overlong_buffer must be >= 0 and min_lr_ratio in [0, 1]")
         if not self.lora_targets:
@@ -346,12 +355,25 @@ def _write_manifest(out: Path, cfg_dict: dict, inputs: list[artifact.Input], key
     return artifact.write_manifest(out, names.KIND_RUN, cfg_dict, inputs, key, metrics)
 
 
+def heldout_problems(cfg: TrainConfig) -> list[tasks.Problem]:
+    """The held-out evaluation problems: ``eval_task``, or the arith generator's held-out split (seed 0, the
+    same set for every training seed, disjoint from every training split)."""
+    if cfg.eval_task:
+        probs = tasks.load_problems(cfg.eval_task, 0, cfg.eval_problems)
+    else:
+        probs = tasks.arithmetic_problems(cfg.eval_problems, 0, "heldout")
+    if not probs:
+        raise QerlError(f"the held-out evaluation set {cfg.eval_task or 'arith (heldout)'} holds no problems.")
+    return probs[: cfg.eval_problems]
+
+
 # ------------------------------------------------------------------------------------------ the trainer
 class Trainer:
     def __init__(self, cfg: TrainConfig, pm, tok, problems: list[tasks.Problem], dist: _Dist, device: str):
         self.cfg, self.pm, self.tok, self.problems, self.dist = cfg, pm, tok, problems, dist
         self.device = torch.device(device)
-        self.engine = Engine(pm.get_base_model(), self.device, cuda_graph=cfg.cuda_graph)
+        self.engine = Engine(pm.get_base_model(), self.device, cuda_graph=cfg.cuda_graph,
+                             grad_checkpoint=cfg.gradient_checkpointing)
         self.eos = rollout.eos_ids(pm.get_base_model(), tok)
         self.pad = tok.pad_token_id
         self.prompt_ids = [tasks.chat_prompt(tok, p.question) for p in problems]
@@ -359,6 +381,8 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
         self.stream = PromptStream(len(problems), cfg.seed)
+        self.heldout = heldout_problems(cfg) if cfg.eval_every else []
+        self.heldout_ids = [tasks.chat_prompt(tok, p.question) for p in self.heldout]
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.autocast:
@@ -440,6 +464,37 @@ class Trainer:
                 out[k] = lp[j * cfg.group: (j + 1) * cfg.group]
         eng.set_noise(0.0, 0)
         return torch.cat(out)
+
+    # ---------------------------------------------------------------- held-out evaluation
+    def evaluate_heldout(self) -> dict:
+        """Accuracy of the deployment policy (adapter on, AQN off, T = temperature, one sample per problem) on
+        the held-out problems; the same problems and sampling seed every time. Ranks split the problems."""
+        cfg, dist = self.cfg, self.dist
+        _sync(self.device)
+        t0 = time.perf_counter()
+        n = len(self.heldout)
+        lo, hi = dist.rank * n // dist.world, (dist.rank + 1) * n // dist.world
+        counts = {"n": 0, "correct": 0, "unparsable": 0, "truncated": 0}
+        chunk = max(cfg.batch_prompts * cfg.group, 1)  # as many rows per engine call as a training rollout
+        self.engine.set_noise(0.0, 0)
+        for c in range(lo, hi, chunk):
+            idx = list(range(c, min(c + chunk, hi)))
+            with self.autocast(), torch.no_grad():
+                b = self.engine.generate([self.heldout_ids[i] for i in idx], 1, cfg.sampling(),
+                                         _derive_seed(cfg.seed, "heldout", c), self.eos, self.pad)
+            rows = rollout.score_batch(b, self.tok, [self.heldout[i] for i in idx], 0.0)
+            counts["n"] += len(rows)
+            counts["correct"] += sum(r["status"] == tasks.CORRECT for r in rows)
+            counts["unparsable"] += sum(r["status"] == tasks.UNPARSABLE for r in rows)
+            counts["truncated"] += sum(f == "length" for f in b.finish_reason)
+        c = dist.sums(counts)
+        _sync(self.device)
+        acc = c["correct"] / max(c["n"], 1)
+        lo_ci, hi_ci = stats.wilson(c["correct"], int(c["n"]))
+        return {"heldout_accuracy": acc, "heldout_ci95": [lo_ci, hi_ci], "heldout_n": int(c["n"]),
+                "heldout_parse_failure_rate": c["unparsable"] / max(c["n"], 1),
+                "heldout_truncation_rate": c["truncated"] / max(c["n"], 1),
+                "time_eval_s": time.perf_counter() - t0}
 
     # ---------------------------------------------------------------- one step
     def step(self, step: int) -> dict:
@@ -583,10 +638,15 @@ class Trainer:
 
 
 def _live(m: dict, steps: int) -> None:
+    held = (f"  held-out {m['heldout_accuracy']:.3f} [{m['heldout_ci95'][0]:.2f}, {m['heldout_ci95'][1]:.2f}]"
+            if "heldout_accuracy" in m else "")
+    if "time_step_s" not in m:  # the evaluation before the first step
+        ui.info(f"step 0/{steps}{held}")
+        return
     mem = m["peak_mem_allocated_bytes"] or m["peak_rss_bytes"]
     ui.info(f"step {m['step']}/{steps}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.3f}  "
             f"σ {m['sigma']:.2e}  informative {m['informative_fraction']:.2f}  loss {m['loss']:+.4f}  "
-            f"tok/s {m['tokens_per_s']:.0f}  mem {mem / 2**30:.2f} GiB  {m['time_step_s']:.1f}s")
+            f"tok/s {m['tokens_per_s']:.0f}  mem {mem / 2**30:.2f} GiB  {m['time_step_s']:.1f}s{held}")
 
 
 # ------------------------------------------------------------------------------------------ the stage
@@ -674,31 +734,57 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
     dist.barrier()
     if start:
         ui.info(f"train: resuming {output} after step {start}")
+    # training time so far (summed step times of the kept metrics lines; evaluations not counted)
+    elapsed = sum(json.loads(ln).get("time_step_s", 0.0) for ln in (output / names.RUN_METRICS).read_text()
+                  .splitlines() if ln.strip()) if state == "resume" else 0.0
+
+    def emit(m: dict) -> None:
+        if dist.main:
+            with open(output / names.RUN_METRICS, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            _live(m, cfg.steps)
+
+    if cfg.eval_every and start == 0:
+        emit({"step": 0, "time_elapsed_s": 0.0} | trainer.evaluate_heldout())
     t0 = time.perf_counter()
+    stopped_by, last = "steps", start
     for s in range(start, cfg.steps):
         if stop_after is not None and s - start >= stop_after:
             ui.info(f"train: stopped after step {s} (unfinished; continue with --resume)")
             return None
         m = trainer.step(s)
-        if dist.main:
-            with open(output / names.RUN_METRICS, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            _live(m, cfg.steps)
-        if (s + 1) % cfg.save_every == 0 or s + 1 == cfg.steps:
+        elapsed += m["time_step_s"]
+        m["time_elapsed_s"] = elapsed
+        over = cfg.time_budget_s > 0 and elapsed >= cfg.time_budget_s
+        final = over or s + 1 == cfg.steps
+        if cfg.eval_every and ((s + 1) % cfg.eval_every == 0 or final):
+            m |= trainer.evaluate_heldout()
+        emit(m)
+        last = s + 1
+        if (s + 1) % cfg.save_every == 0 or final:
             if dist.main:
                 _save_step(output, s + 1, pm, trainer.opt, trainer.stream.cursor, dist.world)
             dist.barrier()
+        if over:
+            stopped_by = "time_budget"
+            ui.info(f"train: time budget of {cfg.time_budget_s:.0f} s reached after step {s + 1} of {cfg.steps}")
+            break
     art = None
     if dist.main:
         lines = [json.loads(ln) for ln in (output / names.RUN_METRICS).read_text().splitlines() if ln.strip()]
-        summary = {"wall_s": round(time.perf_counter() - t0, 4), "steps": cfg.steps,
+        held = [x for x in lines if "heldout_accuracy" in x]
+        lines = [x for x in lines if "time_step_s" in x]  # training steps (not the step-0 evaluation)
+        summary = {"wall_s": round(time.perf_counter() - t0, 4), "steps": last, "planned_steps": cfg.steps,
+                   "stopped_by": stopped_by, "train_time_s": round(elapsed, 4),
                    "final_reward_mean": lines[-1]["reward_mean"] if lines else None,
                    "final_accuracy": lines[-1]["accuracy"] if lines else None,
                    "first_accuracy": lines[0]["accuracy"] if lines else None,
+                   "heldout_accuracy_first": held[0]["heldout_accuracy"] if held else None,
+                   "heldout_accuracy_final": held[-1]["heldout_accuracy"] if held else None,
                    "peak_cuda_bytes": max((x["peak_mem_allocated_bytes"] for x in lines), default=0),
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         art = _write_manifest(output, cfg_dict, inputs, key, summary)
-        ui.info(f"[green]train[/]: {cfg.steps} steps done; adapter in {output / names.STEP_DIR.format(cfg.steps)}")
+        ui.info(f"[green]train[/]: {last} steps done; adapter in {output / names.STEP_DIR.format(last)}")
     dist.barrier()
     if art is None:
         art = artifact.Artifact(output, artifact.read_manifest(output))
