@@ -156,6 +156,26 @@ def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):
                     overrides=ovr)
 
 
+def test_heldout_evaluation_policy(tiny_pipeline, tmp_path, reward, monkeypatch):
+    """The evaluation samples at eval_temperature with AQN off, one sample per held-out problem."""
+    seen = []
+    generate = Engine.generate
+
+    def spy(self, prompts, group, sampling, *a, **k):
+        seen.append((len(prompts), group, sampling.temperature, self.noise.sigma))
+        return generate(self, prompts, group, sampling, *a, **k)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    kw = TINY | {"steps": 2, "save_every": 2, "sigma_stages": 2, "sigma_start": 0.1, "sigma_end": 0.1}
+    train.train(tiny_pipeline["packed"], tmp_path / "run", **kw,
+                overrides=OVR | {"eval_every": 2, "eval_problems": 5, "eval_temperature": 0.0, "temperature": 0.7})
+    evals = [s for s in seen if s[1] == 1]
+    rollouts = [s for s in seen if s[1] != 1]
+    assert evals and all(t == 0.0 and sigma == 0.0 for _, _, t, sigma in evals)
+    assert sum(n for n, *_ in evals) == 2 * 5  # before step 1 and after step 2, 5 problems each
+    assert all(t == 0.7 for _, _, t, _ in rollouts) and any(sigma == pytest.approx(0.1) for *_, sigma in rollouts)
+
+
 def test_gradient_checkpointing_gives_the_same_training(tiny_pipeline, tmp_path, reward):
     kw = TINY | {"steps": 2, "save_every": 2}
     plain = train.train(tiny_pipeline["packed"], tmp_path / "plain", **kw, overrides=OVR)

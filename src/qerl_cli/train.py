@@ -112,6 +112,7 @@ class TrainConfig:
     eval_every: int
     eval_task: str
     eval_problems: int
+    eval_temperature: float
     progress: bool
     skip_verify: bool = False
     device: str = "cpu"
@@ -143,8 +144,8 @@ class TrainConfig:
             p.append("sigma_start and sigma_end must be >= 0")
         if self.sigma_stages > 2 and (self.sigma_start == 0) != (self.sigma_end == 0):
             p.append("a geometric sigma schedule needs sigma_start and sigma_end both > 0 (or both 0)")
-        if self.time_budget_s < 0 or self.eval_every < 0 or self.eval_problems < 1:
-            p.append("time_budget_s and eval_every must be >= 0 and eval_problems >= 1")
+        if self.time_budget_s < 0 or self.eval_every < 0 or self.eval_problems < 1 or self.eval_temperature < 0:
+            p.append("time_budget_s, eval_every and eval_temperature must be >= 0 and eval_problems >= 1")
         if self.eval_every and not self.eval_task and not self.task.startswith("arith"):
             p.append("eval_every needs eval_task (a held-out dataset) when the task is not the arith generator")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.overlong_buffer < 0:
@@ -159,6 +160,9 @@ class TrainConfig:
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
+
+    def eval_sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.eval_temperature, self.top_p, self.top_k, self.max_new_tokens)
 
     def sigma(self, step: int) -> float:
         if self.sigma_start == 0 and self.sigma_end == 0:
@@ -467,7 +471,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- held-out evaluation
     def evaluate_heldout(self) -> dict:
-        """Accuracy of the deployment policy (adapter on, AQN off, T = temperature, one sample per problem) on
+        """Accuracy of the deployment policy (adapter on, AQN off, T = eval_temperature, one sample per problem) on
         the held-out problems; the same problems and sampling seed every time. Ranks split the problems."""
         cfg, dist = self.cfg, self.dist
         _sync(self.device)
@@ -480,7 +484,7 @@ class Trainer:
         for c in range(lo, hi, chunk):
             idx = list(range(c, min(c + chunk, hi)))
             with self.autocast(), torch.no_grad():
-                b = self.engine.generate([self.heldout_ids[i] for i in idx], 1, cfg.sampling(),
+                b = self.engine.generate([self.heldout_ids[i] for i in idx], 1, cfg.eval_sampling(),
                                          _derive_seed(cfg.seed, "heldout", c), self.eos, self.pad)
             rows = rollout.score_batch(b, self.tok, [self.heldout[i] for i in idx], 0.0)
             counts["n"] += len(rows)
