@@ -120,10 +120,48 @@ def correctness(model, tok_prompts: list[list[int]], eos: int) -> dict:
             "bf16_logprob_gap_max": float(gap.max()), "bf16_logprob_gap_mean": float(gap.mean())}
 
 
+def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24) -> dict:
+    """Where a decode step's GPU time goes: torch.profiler over an eager generate (same kernels as the graph),
+    kernels grouped by name, divided by the decode steps; plus the CUDA-graph step time for comparison."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ps = prompts(batch, p_len, vocab)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
+    eager = Engine(model, "cuda", cuda_graph=False)
+    eager.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        b = eager.generate(ps, 1, cfg, 1, set(), 0)
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.device_type == torch.autograd.DeviceType.CUDA and t:
+            kernels[e.key] = {"us_total": t, "calls": e.count}
+    steps = b.timings["decode_steps"]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1]["us_total"])[:25]
+    total = sum(v["us_total"] for v in kernels.values())
+    graph = Engine(model, "cuda", cuda_graph=True)
+    graph.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
+    g = graph.generate(ps, 1, cfg, 1, set(), 0)
+    out = {"batch": batch, "prompt": p_len, "new_tokens": new,
+           "gpu_kernel_us_total_incl_prefill": total, "kernel_launches": sum(v["calls"] for v in kernels.values()),
+           "eager_decode_ms_per_step": 1e3 * b.timings["decode_s"] / steps,
+           "graph_decode_ms_per_step": 1e3 * g.timings["decode_s"] / g.timings["decode_steps"],
+           "top_kernels": [{"name": k[:120], **v, "us_per_step": v["us_total"] / steps} for k, v in top]}
+    print(f"decode profile b{batch}: eager {out['eager_decode_ms_per_step']:.2f} ms/step, graph "
+          f"{out['graph_decode_ms_per_step']:.2f} ms/step, {out['kernel_launches'] / steps:.0f} kernels/step")
+    for k in out["top_kernels"]:
+        print(f"  {k['us_per_step']:9.1f} us/step  {k['calls'] / steps:6.1f} calls/step  {k['name']}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2 GGUF file (real weights)")
     ap.add_argument("--skip-7b", action="store_true")
+    ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile the 7B-shape NVFP4 decode step at batch 8")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     rows, result = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -135,7 +173,10 @@ def main() -> None:
         print(json.dumps(rows[-1]) if rows else "", flush=True)
 
     # (a) SmolLM2
-    if args.smollm2 is not None:
+    base = tok = None
+    if args.skip_smollm2:
+        pass
+    elif args.smollm2 is not None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(args.smollm2.parent), gguf_file=args.smollm2.name)
@@ -148,6 +189,37 @@ def main() -> None:
     else:
         base, tok = random_model(smollm2_config()), None
         result["smollm2_weights"] = "random at SmolLM2 shapes"
+    if not args.skip_smollm2:
+        smollm2_part(base, tok, result, rows, save)
+        base = None
+
+    # (b) Qwen2.5-7B shapes, random weights
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_7b:
+        big = random_model(qwen7b_config())
+        for batch in (8, 64):
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16", "batch": batch,
+                         **time_engine(big, batch, 256, 512, 152064)})
+            save()
+        big = pack_model_inplace(big)
+        gc.collect()
+        torch.cuda.empty_cache()
+        result["qwen7b_weight_bytes"] = weight_bytes(big)
+        if args.profile:
+            try:
+                result["qwen7b_nvfp4_decode_profile_b8"] = profile_decode(big, 8, 256, 152064)
+            except Exception as e:  # the profile is a diagnosis: never lose the throughput rows to it
+                result["qwen7b_nvfp4_decode_profile_b8"] = {"error": repr(e)}
+            save()
+        for batch in (8, 64):
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
+                         **time_engine(big, batch, 256, 512, 152064)})
+            save()
+    print_table(result, rows)
+
+
+def smollm2_part(base, tok, result, rows, save) -> None:
     import copy
 
     nv = pack_model_inplace(copy.deepcopy(base))
@@ -172,25 +244,13 @@ def main() -> None:
         rows.append({"model": "SmolLM2-135M", "engine": "hf-generate-bf16", "batch": batch, **r})
         save()
     result["smollm2_weight_bytes"] = weight_bytes(nv)
-    del nv, base
+    del nv
     gc.collect()
     torch.cuda.empty_cache()
 
-    # (b) Qwen2.5-7B shapes, random weights
-    if not args.skip_7b:
-        big = random_model(qwen7b_config())
-        for batch in (8, 64):
-            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16", "batch": batch,
-                         **time_engine(big, batch, 256, 512, 152064)})
-            save()
-        big = pack_model_inplace(big)
-        gc.collect()
-        torch.cuda.empty_cache()
-        result["qwen7b_weight_bytes"] = weight_bytes(big)
-        for batch in (8, 64):
-            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
-                         **time_engine(big, batch, 256, 512, 152064)})
-            save()
+
+
+def print_table(result: dict, rows: list[dict]) -> None:
     result["runs"] = rows
     con = Console()
     t = Table(title=f"rollout throughput on {result['device']}")
@@ -201,8 +261,6 @@ def main() -> None:
                   f"{r.get('decode_s', r['wall_s']):.3f}", f"{r['peak_alloc_gib']:.2f}")
     con.print(t)
     con.print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

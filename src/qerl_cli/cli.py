@@ -204,6 +204,7 @@ def train_cmd(
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Train on an unverified pack (recorded in the run).")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an unfinished run from its last complete step dir.")] = False,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", help="Stop after N steps of this invocation, leaving the run unfinished (time-boxed jobs; continue with --resume).")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature of the rollouts (and of the training log-probs).")] = None,
     time_budget: Annotated[Optional[float], typer.Option("--time-budget", help="Finish the run after this many seconds of training (held-out evaluations not counted); 0 = none.")] = None,
     eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="Held-out accuracy (adapter on, AQN off) before step 1 and every N steps; 0 = off.")] = None,
     eval_task: Annotated[Optional[str], typer.Option("--eval-task", help="Held-out dataset (default: the arith task's held-out split).")] = None,
@@ -235,7 +236,7 @@ def train_cmd(
           max_new_tokens=max_new_tokens, lr=lr, sigma_start=sigma_start, sigma_end=sigma_end,
           sigma_stages=sigma_stages, objective=objective, seed=seed, save_every=save_every, verify_dir=verify_dir,
           skip_verify=skip_verify, resume=resume, stop_after=stop_after, config_file=config, force=force,
-          progress=progress, overrides={"time_budget_s": time_budget, "eval_every": eval_every,
+          progress=progress, overrides={"temperature": temperature, "time_budget_s": time_budget, "eval_every": eval_every,
                                         "eval_task": eval_task, "gradient_checkpointing": gradient_checkpointing})
 
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Device runs of one session, in order (each a separate `run` call on the same warm machine; the real SmolLM2
+# GGUF travels in two halves, see ../shared/tools/carry-smollm2.sh). Everything it writes for us goes to $OUT.
+#   1  (carry .carry/p1)          kernel build, GPU tests (kernel, engine, train), 7B-shape rollout bench + profile
+#   2  (carry .carry/p2 .carry/whl) assemble the GGUF; calibrate -> quantize -> pack -> verify (the main job's
+#                                  front half); real-SmolLM2 rollout bench with greedy match; entropy-matched T
+#   3  [SEED]                      the five arms of examples/matrix side by side (6-minute budgets), report
+set -uo pipefail
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MAX_JOBS=16
+export TORCH_EXTENSIONS_DIR=/root/qerl-ext HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+OUT=${OUT:-/tmp/out}; W=/root/work; mkdir -p "$OUT" "$W"
+QERL="python3 -m qerl_cli.cli"
+GGUF=/root/smol/smol.gguf
+t0=$(date +%s)
+stamp() { echo "[gpu_session $1] +$(( $(date +%s) - t0 ))s: $2"; }
+
+case "${1:?part 1, 2 or 3}" in
+1)
+  mkdir -p /root/smol && cp .carry/p1/part.aa /root/smol/ && stamp 1 "first half of the GGUF parked"
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  python3 -c "
+from qerl_cli import kernel; import time; t=time.time(); ok=kernel.available()
+print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t:.1f}s')" 2>&1 | tee "$OUT/build.log"
+  stamp 1 "kernel built"
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel.py tests/test_engine_gpu.py \
+    tests/test_train_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  stamp 1 "GPU tests done"
+  timeout 240 python3 benchmarks/bench_rollout.py --skip-smollm2 --profile --json "$OUT/rollout_7b_h200.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b.log" | grep -v '^{'
+  stamp 1 "7B rollout bench done"
+  ;;
+2)
+  cat /root/smol/part.aa .carry/p2/part.ab > $GGUF && sha256sum $GGUF
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl
+  stamp 2 "GGUF assembled, gguf installed"
+  M=$W/matrix; mkdir -p $M
+  set -e
+  $QERL calibrate $GGUF --data tests/data/gsm8k/train.jsonl --field question,answer --samples 64 --seq-len 512 \
+    --no-progress -o $M/calib 2>&1 | tail -15 | tee "$OUT/calibrate.log"
+  $QERL quantize $GGUF --calib $M/calib --no-progress -o $M/quant 2>&1 | tail -5
+  $QERL pack $M/quant --no-progress -o $M/packed 2>&1 | tail -5
+  $QERL verify $M/packed --no-progress -o $M/verify 2>&1 | tail -25 | tee "$OUT/verify.log"
+  set +e
+  stamp 2 "calibrate -> quantize -> pack -> verify done"
+  (cd examples/matrix && timeout 150 python3 match_temperature.py $M/packed $GGUF --out $M/entropy \
+     --temperatures 1.0,1.05,1.1,1.15,1.2,1.3 2>&1 | tail -3 | tee "$OUT/hot-temperature.log")
+  t=$(tail -1 "$OUT/hot-temperature.log"); printf 'temperature = %s\n' "$t" > $M/hot.toml; cat $M/hot.toml
+  stamp 2 "entropy-matched temperature"
+  timeout 200 python3 benchmarks/bench_rollout.py --smollm2 $GGUF --skip-7b --json "$OUT/rollout_smollm2_h200.json" \
+    2>&1 | tee "$OUT/bench_rollout_smollm2.log" | grep -v '^{'
+  stamp 2 "SmolLM2 rollout bench done"
+  ;;
+3)
+  SEED=${2:-0}; M=$W/matrix; export OMP_NUM_THREADS=3
+  (cd examples/matrix && make -j5 runs SEEDS=$SEED OUT=$M MODEL=$GGUF QERL="$QERL" \
+     DATA=$PWD/../../tests/data/gsm8k/train.jsonl) 2>&1 | tail -30
+  stamp 3 "arms of seed $SEED trained"
+  $QERL report $M/*-s*/run --target-accuracy 0.6 -o $M/report-runs --force 2>&1 | tail -20
+  tar czf "$OUT/matrix_runs.tgz" -C $M --exclude='step-*' --exclude=calib --exclude=quant --exclude=packed \
+    --exclude=entropy $(cd $M && ls -d *-s* report-runs hot.toml verify 2>/dev/null)
+  cp $M/report-runs/curves.png "$OUT/curves_runs.png" 2>/dev/null
+  stamp 3 "report written"
+  ;;
+esac
