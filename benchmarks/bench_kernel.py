@@ -5,7 +5,10 @@ For every shape and M it times, side by side in the same process with CUDA event
 several weight copies so that the 50 MB L2 does not serve repeats. It also measures device-to-device copy
 bandwidth, the ceiling for the "% of copy" column (weight bytes = 9/16 byte per weight over our time).
 
-    PYTHONPATH=src python benchmarks/bench_kernel.py [--json benchmarks/results/kernel_h200.json]
+    PYTHONPATH=src python benchmarks/bench_kernel.py [--json benchmarks/results/kernel_h200.json] [--variant v2]
+
+For M <= 16 it also times the small-M kernel variants side by side (columns ``alt`` and ``v2``, the opt-in
+stream-K kernel); ``--variant`` picks the one behind ``ours`` (default: the default kernel).
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ def main() -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--both-paths-from", type=int, default=32,
                     help="also time the mma kernel and dequantize+cuBLAS separately for M >= this (<= 1024)")
+    ap.add_argument("--variant", default="default", choices=sorted(kernel.VARIANTS),
+                    help="small-M kernel variant used for the 'ours' column")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernel: needs a CUDA device", file=sys.stderr)
@@ -109,6 +114,8 @@ def main() -> int:
         print(f"bench_kernel: CUDA extension unavailable: {kernel.build_error()}", file=sys.stderr)
         return 2
     ext = kernel._load()
+    kernel.set_variant(args.variant)
+    ours_code = kernel.VARIANTS[args.variant]
     ms = [int(v) for v in args.ms.split(",")]
     dev = torch.cuda.get_device_properties(0)
     t_start = time.time()
@@ -155,15 +162,34 @@ def main() -> int:
                                                      cq * math.ceil(calls_target / cq))
                     row["dequant_cublas_us"] = 1e6 * time_graph(
                         lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
-                if m <= 16:  # the alternative small-M configuration (tuning data)
-                    ext.set_variant(1)
-                    row["alt_variant_us"] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
-                                                             cq, cq * math.ceil(calls_target / cq))
-                    ext.set_variant(0)
+                if m <= 16:  # the other small-M variants side by side: alternative configuration, opt-in v2
+                    for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0)):
+                        if code == ours_code:
+                            continue
+                        ext.set_variant(code)
+                        if key == "v2_us":  # correctness of v2 on the same poisoned-output check
+                            out.fill_(float("nan"))
+                            ext.linear_out(x, qws[0], gs, n, k, out, 0)
+                            ref2 = x.float() @ w32.t()
+                            row["v2_rel_err"] = float((out.float() - ref2).norm() / ref2.norm())
+                            row["v2_nan"] = bool(torch.isnan(out).any())
+                            del ref2
+                        row[key] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
+                                                    cq, cq * math.ceil(calls_target / cq))
+                    ext.set_variant(ours_code)
+                    if ours_code == 2:
+                        row["v2_us"] = row["ours_us"]
+                    if "v2_us" in row:
+                        row["v2_speedup_vs_cublas"] = row["cublas_us"] / row["v2_us"]
                 rows.append(row)
                 alt = (f"  mma {row['mma_us']:8.1f}  deq+cublas {row['dequant_cublas_us']:8.1f}"
                        if "mma_us" in row else "")
                 alt += f"  alt {row['alt_variant_us']:6.1f}" if "alt_variant_us" in row else ""
+                alt += f"  dflt {row['default_variant_us']:6.1f}" if "default_variant_us" in row else ""
+                if "v2_us" in row:
+                    v2err = f", err {row['v2_rel_err']:.1e}" if "v2_rel_err" in row else ""
+                    v2nan = ", NaN!" if row.get("v2_nan") else ""
+                    alt += f"  v2 {row['v2_us']:6.1f} (x{row['v2_speedup_vs_cublas']:4.2f} vs cuBLAS{v2err}{v2nan})"
                 print(f"{model:12s} {layer:8s} {n:6d} {k:6d} {m:5d} {path:20s} ours {row['ours_us']:9.1f} us  "
                       f"cublas {row['cublas_us']:9.1f} us  x{row['speedup']:5.2f}  {row['weight_gbps']:7.0f} GB/s "
                       f"({row['pct_copy_bw']:5.1f}%)  {row['tflops']:6.1f} TF/s  err {err if err is None else f'{err:.1e}'}"
@@ -173,7 +199,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
               "cuda": torch.version.cuda, "host": platform.node(), "copy_bw_bytes_per_s": copy_bw,
-              "large_m_threshold": kernel.large_m_threshold(), "timing": "median of 5 CUDA-graph replays, "
+              "large_m_threshold": kernel.large_m_threshold(), "variant": args.variant, "timing": "median of 5 CUDA-graph replays, "
               "weights rotated over copies totalling >= 200 MB; ours = kernel.linear (auto path)",
               "wall_s": time.time() - t_start, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -184,14 +210,17 @@ def main() -> int:
 
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}: copy bandwidth {result['copy_bw_bytes_per_s'] / 1e12:.2f} TB/s")
-    hdr = "| model | layer | N | K | M | path | ours µs | cuBLAS µs | speed-up | GB/s | % copy | TFLOP/s |"
+    print(f"ours = small-M variant {result.get('variant', 'default')}")
+    hdr = ("| model | layer | N | K | M | path | ours µs | cuBLAS µs | speed-up | GB/s | % copy | TFLOP/s "
+           "| v2 µs | v2 speed-up |")
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in result["rows"]:
         path = "mma" if r["path"] == kernel.BACKEND_KERNEL else "deq+cuBLAS"
+        v2 = (f"{r['v2_us']:.1f} | {r['v2_speedup_vs_cublas']:.2f}" if "v2_us" in r else "— | —")
         print(f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {path} | {r['ours_us']:.1f} | "
               f"{r['cublas_us']:.1f} | {r['speedup']:.2f} | {r['weight_gbps']:.0f} | {r['pct_copy_bw']:.0f} | "
-              f"{r['tflops']:.1f} |")
+              f"{r['tflops']:.1f} | {v2} |")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #ifndef QERL_NO_TORCH
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -320,6 +322,286 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// nvfp4_mma_v2_kernel: OPT-IN small-M (decode) variant, selected with set_variant(2) (Python:
+// kernel.set_variant("v2") or QERL_KERNEL_VARIANT=v2). Same tile records, same E2M1 / scale arithmetic (the A
+// fragments are bit-identical to nvfp4_mma_kernel's), differences:
+//   * stream-K work split: the grid is the resident CTA count (or fewer for small problems); the RG * KT
+//     (row group, K tile) units are cut into P equal contiguous ranges, one per CTA, so every CTA streams the
+//     same number of tiles (no wave tail). A row group cut between CTAs is summed deterministically: each CTA
+//     writes its (at most two) partial row-group sums to its own fp32 slots; the last CTA to finish a row
+//     group (ticket counter, self-resetting) adds the slots in CTA order and writes bf16.
+//   * fewer instructions per tile: the two scale pairs of a 32-bit scale word come from one shift + mask each
+//     ({row g: group 2jp, 2jp+1} and {row g+8: ...}) instead of a byte permute + shift per pair, and the
+//     weight loads use immediate offsets from one base pointer per chunk (no 64-bit address arithmetic per
+//     tile).
+template <int I, int N, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (I < N) {
+    f(std::integral_constant<int, I>{});
+    static_for<I + 1, N>(f);
+  }
+}
+
+template <int OFF>
+__device__ __forceinline__ void load_tile_at(WTile& w, const uint8_t* pc, const uint8_t* ps) {
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4+%5];"
+               : "=r"(w.c.x), "=r"(w.c.y), "=r"(w.c.z), "=r"(w.c.w)
+               : "l"(pc), "n"(OFF));
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2+%3];" : "=r"(w.s.x), "=r"(w.s.y) : "l"(ps), "n"(OFF));
+}
+
+// the 4 e4m3 scales of a scale word (bytes: (group 2jp, row g), (2jp, g+8), (2jp+1, g), (2jp+1, g+8)) ->
+// r0 = {s(2jp, g), s(2jp+1, g)} and r8 = {s(2jp, g+8), s(2jp+1, g+8)}, each bf16 s * 2^64, exact (as scale_pair)
+__device__ __forceinline__ void scale_quad(uint32_t sw, __nv_bfloat162& r0, __nv_bfloat162& r8) {
+  const __nv_bfloat162 k120 = u2bf(0x7B807B80u);  // 2^120
+  const __nv_bfloat162 k64 = u2bf(0x5F805F80u);   // 2^64
+  const uint32_t te = (sw << 4) & 0x07F007F0u;    // bytes 0, 2 (sign bits dropped) as s * 2^-120
+  const uint32_t to = (sw >> 4) & 0x07F007F0u;    // bytes 1, 3
+  r0 = __hmul2(__hmul2(u2bf(te), k120), k64);
+  r8 = __hmul2(__hmul2(u2bf(to), k120), k64);
+}
+
+__device__ __forceinline__ __nv_bfloat162 bf_lo2(__nv_bfloat162 v) { return __low2bfloat162(v); }
+__device__ __forceinline__ __nv_bfloat162 bf_hi2(__nv_bfloat162 v) { return __high2bfloat162(v); }
+
+__device__ __forceinline__ int64_t sk_begin(int64_t b, int64_t W, int64_t P) { return b * W / P; }
+// the CTA whose range holds unit u
+__device__ __forceinline__ int sk_owner(int64_t u, int64_t W, int64_t P) { return (int)(((u + 1) * P - 1) / W); }
+
+template <int TG, int R, int D, int KCH, int NACC, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
+    __nv_bfloat16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+    int NT, int KT, int RG) {
+  constexpr int MP = 8 * TG;           // token rows staged (M <= MP: one slice)
+  constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements)
+  constexpr int ROWS = kWarps * R * 16;
+  extern __shared__ __align__(16) __nv_bfloat16 xs[];
+  __shared__ int s_last;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int mslice = min(M, MP);
+  const int rows_alloc = mslice < MP ? mslice + 1 : MP;
+  const int CHUNK = rows_alloc * LDX;
+  const int64_t P = gridDim.x, W = (int64_t)RG * KT;
+  const int b = blockIdx.x;
+  const int64_t u0 = sk_begin(b, W, P), u1 = sk_begin(b + 1, W, P);
+
+  const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+  if (mslice < MP) {
+    for (int i = tid; i < 2 * (LDX / 8); i += kWarps * 32)
+      *reinterpret_cast<uint4*>(xs + (i / (LDX / 8)) * CHUNK + mslice * LDX + (i % (LDX / 8)) * 8) =
+          make_uint4(0, 0, 0, 0);
+  }
+  uint32_t lrow_off[TG];
+#pragma unroll
+  for (int q = 0; q < TG; ++q)
+    lrow_off[q] = (uint32_t)((min(q * 8 + (lane & 7), mslice) * LDX + 8 * (lane >> 3)) * 2);
+  const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
+
+  for (int64_t u = u0; u < u1;) {
+    const int rg = (int)(u / KT);
+    const int kt0 = (int)(u - (int64_t)rg * KT);
+    const int kt1 = (int)min((int64_t)KT, (int64_t)kt0 + (u1 - u));
+    const bool first_seg = (u == u0);
+    u += kt1 - kt0;
+    const int nchunks = (kt1 - kt0 + KCH - 1) / KCH;
+
+    int rb[R];
+    const uint8_t* pc[R];  // this lane's code bytes of tile kt0
+    const uint8_t* ps[R];  // this lane's scale bytes of tile kt0
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      rb[r] = (rg * kWarps + warp) * R + r;
+      const uint8_t* rec = qw + ((size_t)min(rb[r], NT - 1) * KT + kt0) * kRecordBytes;
+      pc[r] = rec + 16 * lane;
+      ps[r] = rec + kCodeBytes + 8 * g;
+    }
+    WTile wr[D][R];
+    static_for<0, D>([&](auto di) {
+      constexpr int d = decltype(di)::value;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (kt0 + d < kt1) load_tile_at<d * kRecordBytes>(wr[d][r], pc[r], ps[r]);
+    });
+
+    auto stage = [&](int c) {
+      const int kb = (kt0 + c * KCH) * 64;
+      const uint32_t sb = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
+      const int segs = mslice * KCH * 8;
+      for (int i = tid; i < segs; i += kWarps * 32) {
+        const int m = i / (KCH * 8), sgi = i % (KCH * 8);
+        const int kk = kb + sgi * 8;
+        const bool valid = kk < K;
+        const __nv_bfloat16* src = valid ? x + (size_t)m * K + kk : x;
+        cp_async16(sb + (uint32_t)((m * LDX + sgi * 8) * 2), src, valid);
+      }
+      cp_async_commit();
+    };
+
+    float acc[NACC][R][TG][4];
+#pragma unroll
+    for (int a = 0; a < NACC; ++a)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int q = 0; q < TG; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[a][r][q][i] = 0.f;
+
+    auto compute = [&](const WTile(&cur)[R], uint32_t lrow, int ktl) {
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        uint32_t a[R][2][4];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          __nv_bfloat162 s0, s8;
+          scale_quad(jp == 0 ? cur[r].s.x : cur[r].s.y, s0, s8);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * jp + jj;
+            const uint32_t w = j == 0 ? cur[r].c.x : j == 1 ? cur[r].c.y : j == 2 ? cur[r].c.z : cur[r].c.w;
+            const uint32_t w8 = w >> 8;
+            const __nv_bfloat162 s_lo = jj == 0 ? bf_lo2(s0) : bf_hi2(s0);  // row g
+            const __nv_bfloat162 s_hi = jj == 0 ? bf_lo2(s8) : bf_hi2(s8);  // row g + 8
+            a[r][jj][0] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w)), s_lo));
+            a[r][jj][1] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w)), s_hi));
+            a[r][jj][2] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w8)), s_lo));
+            a[r][jj][3] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w8)), s_hi));
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < TG; ++q) {
+          uint32_t bfr[4];
+          ldmatrix_x4(bfr, lrow + lrow_off[q] + (uint32_t)((ktl * 64 + 32 * jp) * 2));
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            mma_bf16(acc[jp % NACC][r][q], a[r][0], bfr[0], bfr[1]);
+            mma_bf16(acc[jp % NACC][r][q], a[r][1], bfr[2], bfr[3]);
+          }
+        }
+      }
+    };
+
+    stage(0);
+    for (int c = 0; c < nchunks; ++c) {
+      if (c + 1 < nchunks) {
+        stage(c + 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const uint32_t lrow = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
+      const int cbase = kt0 + c * KCH;
+      if (cbase + KCH + D <= kt1) {
+        static_for<0, KCH>([&](auto ii) {
+          constexpr int i = decltype(ii)::value;
+          WTile cur[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            cur[r] = wr[i % D][r];
+            load_tile_at<(i + D) * kRecordBytes>(wr[i % D][r], pc[r], ps[r]);
+          }
+          compute(cur, lrow, i);
+        });
+      } else {
+        static_for<0, KCH>([&](auto ii) {
+          constexpr int i = decltype(ii)::value;
+          const int kt = cbase + i;
+          WTile cur[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) cur[r] = wr[i % D][r];
+          if (kt + D < kt1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) load_tile_at<(i + D) * kRecordBytes>(wr[i % D][r], pc[r], ps[r]);
+          }
+          if (kt < kt1) compute(cur, lrow, i);
+        });
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        pc[r] += KCH * kRecordBytes;
+        ps[r] += KCH * kRecordBytes;
+      }
+      __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
+    }
+
+    const bool whole = (kt0 == 0 && kt1 == KT);
+    const int slot = first_seg ? 0 : 1;
+    float* wsb = ws + (size_t)(2 * b + slot) * M * ROWS;  // [M][ROWS] partial of this CTA
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int q = 0; q < TG; ++q) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          v[i] = acc[0][r][q][i];
+#pragma unroll
+          for (int a = 1; a < NACC; ++a) v[i] += acc[a][r][q][i];
+        }
+        const bool rowblock_ok = rb[r] < NT;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int nl = (warp * R + r) * 16 + g + 8 * (i >> 1);  // row within the row group
+          const int n = rg * ROWS + nl;
+          const int m = q * 8 + 2 * t + (i & 1);
+          if (rowblock_ok && n < N && m < mslice) {
+            if (whole)
+              out[(size_t)m * N + n] = __float2bfloat16_rn(v[i] * alpha);
+            else
+              wsb[(size_t)m * ROWS + nl] = v[i];
+          }
+        }
+      }
+    }
+    if (whole) continue;
+
+    // a row group cut between CTAs: the last of its CTAs adds the partials in CTA order
+    __threadfence();
+    __syncthreads();
+    const int bfirst = sk_owner((int64_t)rg * KT, W, P);
+    const int blast = sk_owner((int64_t)rg * KT + KT - 1, W, P);
+    if (tid == 0) {
+      const int prev = atomicAdd(&counters[rg], 1);
+      s_last = (prev == blast - bfirst);
+    }
+    __syncthreads();
+    if (s_last) {
+      __threadfence();
+      const int n0 = rg * ROWS;
+      const int nrows = min(ROWS, N - n0);
+      for (int i = tid; i < mslice * ROWS; i += kWarps * 32) {
+        const int m = i / ROWS, nn = i % ROWS;
+        if (nn >= nrows) continue;
+        // slot 1 only for the first CTA, when its range starts inside an earlier row group
+        const float* p0 = ws + ((size_t)m * ROWS + nn);
+        const size_t slot_stride = (size_t)M * ROWS;
+        float sum = __ldcg(p0 + (size_t)(2 * bfirst + (sk_begin(bfirst, W, P) >= (int64_t)rg * KT ? 0 : 1)) *
+                                    slot_stride);
+        int bb = bfirst + 1;
+        for (; bb + 3 <= blast; bb += 4) {  // four loads in flight, added in CTA order
+          const float v0 = __ldcg(p0 + (size_t)(2 * bb) * slot_stride);
+          const float v1 = __ldcg(p0 + (size_t)(2 * bb + 2) * slot_stride);
+          const float v2 = __ldcg(p0 + (size_t)(2 * bb + 4) * slot_stride);
+          const float v3 = __ldcg(p0 + (size_t)(2 * bb + 6) * slot_stride);
+          sum += v0;
+          sum += v1;
+          sum += v2;
+          sum += v3;
+        }
+        for (; bb <= blast; ++bb) sum += __ldcg(p0 + (size_t)(2 * bb) * slot_stride);
+        out[(size_t)m * N + n0 + nn] = __float2bfloat16_rn(sum * alpha);
+      }
+      if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
+    }
+    __syncthreads();  // s_last is rewritten by the next segment
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // dense dequantization: one CTA = one row block x 8 K tiles (one record per warp), staged through shared
 // memory so the [N, K] output is written with coalesced 16-byte stores.
 template <typename T>
@@ -400,6 +682,11 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
   X(4, 2, 4, 8, 1, 3)             \
   X(8, 1, 2, 4, 1, 3)
 
+// opt-in small-M variant (set_variant(2)): M <= 8, M <= 16
+#define QERL_MMA_V2_CONFIGS(X) \
+  X(1, 1, 4, 8, 2, 5)             \
+  X(2, 1, 4, 8, 2, 4)
+
 #ifdef QERL_NO_TORCH
 // explicit instances for a stand-alone `nvcc -Xptxas -v` resource report
 #define QERL_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                             \
@@ -407,6 +694,11 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
                                                                  const float*, __nv_bfloat16*, float*, int*, \
                                                                  int, int, int, int, int, int, int);
 QERL_MMA_CONFIGS(QERL_INSTANCE)
+#define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                          \
+  template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB>(                                   \
+      const __nv_bfloat16*, const uint8_t*, const float*, __nv_bfloat16*, float*, int*, int, int, int, int, int, \
+      int);
+QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
 template __global__ void nvfp4_dequant_kernel<float>(const uint8_t*, const float*, float*, int, int, int, int);
@@ -562,6 +854,47 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG
+template <int TG, int R, int D, int KCH, int NACC, int MINB>
+static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, at::Tensor& out, int M,
+                          int N, int K, int NT, int KT) {
+  constexpr int ROWS_BLOCKS = kWarps * R;
+  constexpr int MP = 8 * TG;
+  TORCH_CHECK(M <= MP, "qerl: v2 kernel instance for M <= ", MP, " called with M = ", M);
+  const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
+  const int sms = num_sms(x.get_device());
+  const int rows_alloc = std::min(MP, M + 1);
+  const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16);
+  auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB>;
+  int occ = 1;
+  {
+    static std::mutex mu;
+    static std::map<size_t, int> occ_cache;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = occ_cache.find(smem);
+    if (it == occ_cache.end()) {
+      if (smem > 48 * 1024)
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kWarps * 32, smem));
+      occ_cache[smem] = std::max(occ, 1);
+      it = occ_cache.find(smem);
+    }
+    occ = it->second;
+  }
+  // every resident CTA slot gets an equal share of the RG * KT units, but at least kMinUnits of them (small
+  // problems: fewer, longer CTAs instead of many that are all prologue)
+  constexpr int64_t kMinUnits = 2 * KCH;
+  const int64_t W = (int64_t)RG * KT;
+  const int64_t P = std::max<int64_t>(1, std::min<int64_t>((int64_t)sms * occ, (W + kMinUnits - 1) / kMinUnits));
+  at::Tensor wsbuf = at::empty({2 * P * (int64_t)M * ROWS_BLOCKS * 16}, x.options().dtype(at::kFloat));
+  int* counters = counters_for(x, RG);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  kern<<<dim3((unsigned)P), kWarps * 32, smem, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(), gs.data_ptr<float>(),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous. path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS.
 // Returns the path taken.
 int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
@@ -586,8 +919,12 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
   TORCH_CHECK(M <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
   const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
-  // variant 0 (default) / 1 (alternative) per M range, for tuning from Python via set_variant()
-  if (M <= 8) {
+  // variant 0 (default) / 1 (alternative) per M range, for tuning from Python via set_variant();
+  // variant 2: the opt-in stream-K kernel for M <= 16 (larger M as variant 0)
+  if (g_variant == 2 && M <= 16) {
+    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<2, 1, 4, 8, 2, 4>(xc, qw, gs, out, Mi, N, K, NT, KT);
+  } else if (M <= 8) {
     if (g_variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, out, Mi, N, K, NT, KT);
     else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, out, Mi, N, K, NT, KT);
   } else if (M <= 16) {
@@ -615,7 +952,11 @@ void linear_t_out(const at::Tensor& g, const at::Tensor& qw, const at::Tensor& g
 }
 
 void set_large_m_threshold(int64_t m) { g_large_m_threshold = m; }
-void set_variant(int64_t v) { g_variant = (int)v; }
+void set_variant(int64_t v) {
+  TORCH_CHECK(v >= 0 && v <= 2, "qerl: variant must be 0 (default), 1 (alternative configuration) or 2 (v2)");
+  g_variant = (int)v;
+}
+int64_t get_variant() { return g_variant; }
 int64_t get_large_m_threshold() { return g_large_m_threshold; }
 
 }  // namespace qerl
@@ -626,6 +967,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
-  m.def("set_variant", &qerl::set_variant, "tuning: 0 default, 1 alternative mma configuration");
+  m.def("set_variant", &qerl::set_variant,
+        "small-M kernel: 0 default, 1 alternative mma configuration, 2 opt-in v2 (stream-K) for M <= 16");
+  m.def("get_variant", &qerl::get_variant);
 }
 #endif

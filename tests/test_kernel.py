@@ -152,6 +152,23 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.qerl.linear_out.default, (x.detach(), qw, gs, n, k, torch.empty(3, n)))
 
 
+def test_variant_selection_cpu():
+    before = kernel.variant()
+    try:
+        kernel.set_variant("v2")
+        assert kernel.variant() == "v2"
+        n, k = 48, 128  # the reference ignores the variant: results unchanged
+        qw, gs = make_packed(n, k, seed=8)
+        x = torch.randn(3, k, dtype=torch.bfloat16)
+        assert torch.equal(kernel.linear(x, qw, gs, n, k), layout.reference_matmul(x, qw, gs, n, k))
+        with pytest.raises(ValueError, match="unknown kernel variant"):
+            kernel.set_variant("v3")
+        assert kernel.variant() == "v2"
+    finally:
+        kernel.set_variant(before)
+    assert kernel.variant() == before
+
+
 def test_available_reports_reason_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
@@ -192,11 +209,46 @@ def _check_linear(n, k, ms, kind="randn", seed=0, paths=(None,), tol=1e-2):
             assert e <= tol, f"rel err {e:.2e} at n={n} k={k} m={m} path={path}"
 
 
+@pytest.fixture(params=["default", "v2"])
+def small_m_variant(request):
+    """Run a small-M test once per kernel variant; restores the previous variant."""
+    _need_kernel()
+    before = kernel.variant()
+    kernel.set_variant(request.param)
+    assert int(kernel._load().get_variant()) == kernel.VARIANTS[request.param]
+    yield request.param
+    kernel.set_variant(before)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", SMOL + ODD + QWEN7B)
-def test_gpu_linear_small_m(n, k):
-    _need_kernel()
+def test_gpu_linear_small_m(n, k, small_m_variant):
     _check_linear(n, k, SMALL_M, seed=n * 7 + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(37888, 3584), (3584, 18944), (4608, 3584), (16, 64), (64, 4096), (5000, 64)])
+def test_gpu_v2_matches_default(n, k):
+    """v2 and the default kernel: same A fragments, only the fp32 summation order differs."""
+    _need_kernel()
+    before = kernel.variant()
+    qw, gs = make_packed(n, k, device="cuda", seed=n + k)
+    try:
+        for m in (1, 2, 7, 8, 9, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            outs = {}
+            for v in ("default", "v2"):
+                kernel.set_variant(v)
+                outs[v] = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                kernel.linear(x, qw, gs, n, k, out=outs[v])
+                assert kernel.last_backend() == kernel.BACKEND_KERNEL
+            torch.cuda.synchronize()
+            assert not torch.isnan(outs["v2"]).any(), (n, k, m)
+            ref = ref_fp32(x, qw, gs, n, k)
+            assert rel_err(outs["v2"], ref) <= 1e-2
+            assert rel_err(outs["v2"], outs["default"]) <= 1e-2
+    finally:
+        kernel.set_variant(before)
 
 
 @pytest.mark.gpu
@@ -215,8 +267,7 @@ def test_gpu_linear_large_m(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["codes", "tiny"])
-def test_gpu_linear_all_codes_and_subnormal_scales(kind):
-    _need_kernel()
+def test_gpu_linear_all_codes_and_subnormal_scales(kind, small_m_variant):
     n, k = 1000, 1024
     qw, gs = make_packed(n, k, device="cuda", seed=11, kind=kind)
     if kind == "tiny":  # most block scales are e4m3 subnormals
@@ -292,11 +343,11 @@ def test_gpu_batched_dtypes_autograd_and_opcheck():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_and_repeat_determinism():
-    _need_kernel()
-    n, k = 3584, 18944  # split-K path (ticket counters)
+@pytest.mark.parametrize("m", [4, 13])
+def test_gpu_cuda_graph_and_repeat_determinism(m, small_m_variant):
+    n, k = 3584, 18944  # split-K / stream-K path (ticket counters)
     qw, gs = make_packed(n, k, device="cuda", seed=9)
-    x = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     first = kernel.linear(x, qw, gs, n, k)
     for _ in range(3):
         assert torch.equal(kernel.linear(x, qw, gs, n, k), first)

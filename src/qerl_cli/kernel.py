@@ -21,6 +21,11 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 * larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
   ("cuda-dequant-cublas"); ``linear_t`` always takes this path.
 
+Small-M kernel variant (opt-in, default unchanged): ``set_variant("v2")`` or ``QERL_KERNEL_VARIANT=v2`` in the
+environment (read when the extension loads) runs M <= 16 through a stream-K kernel (equal work per CTA, fewer
+instructions per tile; same tile records, same op signatures); ``"default"`` is the original kernel,
+``"alt"`` its alternative tuning configuration.
+
 If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
 :func:`layout.dequantize`) and one warning line says why. Split-K launches keep a small self-resetting
 ticket buffer per (device, stream); do not run the same op concurrently on one stream from two threads.
@@ -38,11 +43,13 @@ import torch
 from . import layout
 
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
-           "set_large_m_threshold", "build_error"]
+           "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS"]
 
 BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
+
+VARIANTS = {"default": 0, "alt": 1, "v2": 2}
 
 _DEFAULT_ARCH_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -55,6 +62,7 @@ _lock = threading.Lock()
 _ext = None
 _ext_error: str | None = None
 _ext_tried = False
+_variant = "default"
 _warned: set[str] = set()
 _state = threading.local()
 
@@ -103,8 +111,51 @@ def _load():
             msg = str(e).strip().splitlines()
             _ext_error = f"{type(e).__name__}: {msg[-1] if msg else ''}"[:300]
             _ext = None
+        if _ext is not None:
+            _apply_variant(_ext)
         _ext_tried = True
     return _ext
+
+
+def _apply_variant(ext) -> None:
+    """Hand the chosen variant (``set_variant`` before the load, else ``QERL_KERNEL_VARIANT``) to the extension."""
+    global _variant
+    env = os.environ.get("QERL_KERNEL_VARIANT")
+    if env and _variant == "default":
+        try:
+            _variant = _variant_name(env)
+        except ValueError as e:
+            warnings.warn(f"qerl.kernel: ignoring QERL_KERNEL_VARIANT: {e}", RuntimeWarning, stacklevel=3)
+    ext.set_variant(VARIANTS[_variant])
+
+
+def _variant_name(v: str) -> str:
+    name = str(v).strip().lower()
+    if name not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {v!r}; expected one of {sorted(VARIANTS)}")
+    return name
+
+
+def variant() -> str:
+    """The small-M kernel variant in use: "default", "alt" or "v2"."""
+    ext = _load()
+    if ext is None:
+        return _variant
+    code = int(ext.get_variant())
+    return next(k for k, c in VARIANTS.items() if c == code)
+
+
+def set_variant(v: str) -> None:
+    """Select the small-M kernel variant ("default", "alt" or "v2"), process-wide.
+
+    Without a CUDA extension this only records the choice (the torch reference ignores it). Overrides
+    ``QERL_KERNEL_VARIANT``."""
+    global _variant
+    name = _variant_name(v)
+    ext = _load()
+    _variant = name
+    if ext is not None:
+        ext.set_variant(VARIANTS[name])
 
 
 def available() -> bool:
