@@ -68,8 +68,8 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
 
 
-def time_engine(model, batch, p_len, new, vocab, graph=True) -> dict:
-    eng = Engine(model, "cuda", cuda_graph=graph)
+def time_engine(model, batch, p_len, new, vocab, graph=True, **engine_kw) -> dict:
+    eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     ps = prompts(batch, p_len, vocab)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
     eng.generate(ps[: min(batch, 4)], 1, SamplingConfig(temperature=1.0, max_new_tokens=8), 0, set(), 0)  # warm-up
@@ -215,6 +215,11 @@ def main() -> None:
         for batch in (8, 64):
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
                          **time_engine(big, batch, 256, 512, 152064)})
+            save()
+        # ablations of the decode step: separate q/k/v and gate/up launches; compiled elementwise ops
+        for name, kw in (("ours-nvfp4 unfused", {"fuse": False}), ("ours-nvfp4 +compile", {"compile_elementwise": True})):
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
+                         **time_engine(big, 8, 256, 512, 152064, **kw)})
             save()
     print_table(result, rows)
 

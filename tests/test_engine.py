@@ -175,3 +175,62 @@ def test_lora_applied_beside_the_base_and_swappable(model):
     torch.testing.assert_close(with_lora, ref, rtol=1e-4, atol=1e-4)
     assert (with_lora - base).abs().max() > 1e-2
     assert torch.equal(again, base)
+
+
+def _lora_factors(model, names_, rank=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n in names_:
+        lin = model.get_submodule(n)
+        out[n] = (torch.randn(rank, lin.in_features, generator=g) * 0.3, torch.randn(lin.out_features, rank, generator=g) * 0.3)
+    return out
+
+
+def test_fused_projections_equal_separate_ones(model):
+    """q/k/v and gate/up as one matmul each (the CUDA default) give the same outputs, with and without LoRA, and
+    leave the model's values untouched (its weights become views of the fused buffer)."""
+    m = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    plain = Engine(m, fuse=False)
+    fused = Engine(m, fuse=True)
+    assert set(fused.fused[0]) == {"qkv", "gate_up"} and not plain.fused[0]
+    attn = m.model.layers[1].self_attn
+    buf = fused.fused[1]["qkv"].base.qweight
+    assert attn.k_proj.qweight.data_ptr() == buf[attn.q_proj.qweight.shape[0]:].data_ptr()  # a view, not a copy
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+    assert Engine(m, fuse=True).fused[1]["qkv"].base.qweight.data_ptr() == buf.data_ptr()  # reused, not re-copied
+    ids = torch.tensor([PROMPTS[0], PROMPTS[2][:7]])
+    key = torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    lora = LoRA(_lora_factors(m, ["model.layers.0.self_attn.k_proj", "model.layers.1.mlp.up_proj",
+                                  "model.layers.1.mlp.down_proj"]), scaling=2.0)
+    with torch.no_grad():
+        for adapter in (None, lora):
+            plain.set_adapter(adapter)
+            fused.set_adapter(adapter)
+            torch.testing.assert_close(fused.forward(ids, pos, key), plain.forward(ids, pos, key), rtol=1e-5, atol=1e-5)
+    cfg = SamplingConfig(temperature=0, max_new_tokens=16)
+    assert torch.equal(fused.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).completion_ids,
+                       plain.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).completion_ids)
+
+
+def test_fused_projections_carry_peft_lora_and_gradients(model):
+    from qerl_cli import lora as qlora
+
+    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("q_proj", "v_proj", "up_proj"), 0)
+    with torch.no_grad():
+        for _, p in qlora.trainable(pm):
+            p.normal_(0, 0.1)
+    comp = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.ones_like(comp, dtype=torch.bool)
+    res = []
+    for fuse in (False, True):
+        eng = Engine(pm.get_base_model(), fuse=fuse)
+        pm.zero_grad()
+        lp = eng.sequence_logprobs([PROMPTS[0], PROMPTS[1]], comp, mask, 1.0, PAD)
+        lp.sum().backward()
+        res.append((lp.detach(), [p.grad.clone() for _, p in qlora.trainable(pm)]))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in res[1][1])

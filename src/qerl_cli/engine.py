@@ -4,9 +4,15 @@ GPU, eager on CPU), temperature / top-k / top-p sampling with recorded behaviour
 
 The engine runs on the modules of a HF Llama-family model (``model.model.layers``): their linears may be
 :class:`~qerl_cli.packed_model.PackedLinear` (NVFP4) or plain ``nn.Linear`` (bf16 baseline), so every backend
-shares this one code path. It never modifies the model: norm weights are read into a clean snapshot and
-the noisy copies live in the engine (``effective_norm_weights``), LoRA factors are applied as two small
+shares this one code path. It never changes the model's values: norm weights are read into a clean snapshot
+and the noisy copies live in the engine (``effective_norm_weights``), LoRA factors are applied as two small
 matmuls beside each base linear and swapped with :meth:`Engine.set_adapter`.
+
+Fused projections (on CUDA by default; ``fuse``): the q/k/v weights of a layer, and its gate/up weights, are
+re-homed into one buffer each (the modules keep their exact values as views into it), so each group runs as
+one matmul — one packed-kernel launch instead of three (two) per layer in every decode step. NVFP4 groups
+fuse only where the members share one tensor scale (``qerl quantize`` gives fused sets one, as vLLM needs).
+Each member's LoRA (our container or a peft layer) is added to its slice of the fused output.
 
 Behaviour log-probs: for each sampled token, the log-prob under the distribution it was **actually sampled
 from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
@@ -17,6 +23,7 @@ top-k = 0 and top-p = 1. Greedy decoding (temperature 0) records 0.0 (a determin
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -94,6 +101,132 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * h.to(dt)
 
 
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float):
+    """Residual add, then RMSNorm of the sum: (new residual, normed)."""
+    h = h + d
+    return h, _rms_norm(h, w, eps)
+
+
+def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+class _Ops:
+    """The elementwise pieces of a layer: eager, or each compiled into one fused kernel (torch.compile)."""
+
+    def __init__(self, compiled: bool):
+        wrap = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compiled else (lambda f: f)
+        self.norm, self.rope, self.add_norm, self.silu_mul = (wrap(f) for f in (_rms_norm, _rope, _add_norm, _silu_mul))
+
+
+_EAGER_OPS = _Ops(False)
+_COMPILED_OPS: _Ops | None = None
+
+
+def _compiled_ops() -> _Ops:
+    global _COMPILED_OPS
+    if _COMPILED_OPS is None:
+        import torch._inductor.config as inductor_config
+
+        # round where eager rounds (bf16 casts inside the norm), so compiled rollouts sample from the policy
+        # the eager training forward scores
+        inductor_config.emulate_precision_casts = True
+        _COMPILED_OPS = _Ops(True)
+    return _COMPILED_OPS
+
+
+FUSED_GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up": ("mlp", ("gate_proj", "up_proj"))}
+
+
+def _base_layer(m):
+    """The frozen base of a (possibly peft-wrapped) linear."""
+    return getattr(m, "base_layer", m)
+
+
+def _peft_delta(m, x: torch.Tensor) -> torch.Tensor | None:
+    """The LoRA term a peft ``LoraLayer`` adds to its base output (None for a plain module or no adapter)."""
+    if not hasattr(m, "lora_A") or getattr(m, "disable_adapters", False):
+        return None
+    if getattr(m, "merged", False):
+        raise QerlError("a LoRA adapter merged into its base layer cannot run on fused projections.")
+    out = None
+    for name in m.active_adapters:
+        if name not in m.lora_A:
+            continue
+        a, b = m.lora_A[name], m.lora_B[name]
+        xa = x.to(a.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
+        d = b(a(m.lora_dropout[name](xa))) * m.scaling[name]
+        out = d if out is None else out + d
+    return out
+
+
+def _rehomed(bases: list, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The fused buffer an earlier engine made for these modules, if they are still its consecutive views."""
+    w = getattr(bases[0], "_qerl_fused_buffer", None)
+    if w is None:
+        return None
+    at = 0
+    for t in tensors:
+        if t.data_ptr() != w[at:].data_ptr() or t.shape[1:] != w.shape[1:]:
+            return None
+        at += t.shape[0]
+    return w if at == w.shape[0] else None
+
+
+class _Fused:
+    """One matmul for a group of sibling linears (views of one weight buffer) and the slices of its output."""
+
+    def __init__(self, modules: list, names: list[str]):
+        from .packed_model import PackedLinear
+
+        bases = [_base_layer(m) for m in modules]
+        self.modules, self.names = modules, names
+        self.sizes = [b.out_features for b in bases]
+        if all(isinstance(b, PackedLinear) for b in bases):
+            w = _rehomed(bases, [b.qweight for b in bases])
+            w = torch.cat([b.qweight for b in bases]) if w is None else w
+            bias = None if all(b.bias is None for b in bases) else torch.cat([
+                b.bias.detach() if b.bias is not None else torch.zeros(b.out_features, device=w.device)
+                for b in bases])
+            self.base = PackedLinear(w, bases[0].global_scale.clone(), sum(self.sizes), bases[0].in_features, bias)
+            at = 0
+            for b in bases:  # the members keep their values, now as views into the fused buffer
+                rows = b.qweight.shape[0]
+                b._buffers["qweight"] = w[at: at + rows]
+                b._dense = None
+                at += rows
+        else:
+            w = _rehomed(bases, [b.weight.detach() for b in bases])
+            w = torch.cat([b.weight.detach() for b in bases]) if w is None else w
+            bias = None if all(b.bias is None for b in bases) else torch.cat([
+                b.bias.detach() if b.bias is not None else torch.zeros(b.out_features, dtype=w.dtype, device=w.device)
+                for b in bases])
+            at = 0
+            for b in bases:
+                b.weight.data = w[at: at + b.out_features]
+                at += b.out_features
+            self.base = lambda x: F.linear(x, w, bias)
+        bases[0]._qerl_fused_buffer = w  # a later engine on the same model reuses it (no second copy)
+
+    @staticmethod
+    def possible(modules: list) -> bool:
+        from .packed_model import PackedLinear
+
+        bases = [_base_layer(m) for m in modules]
+        if len({b.in_features for b in bases}) != 1:
+            return False
+        if all(isinstance(b, PackedLinear) for b in bases):
+            g = bases[0].global_scale
+            return all(b.out_features % 16 == 0 and torch.equal(b.global_scale, g) for b in bases)
+        if all(type(b) is torch.nn.Linear for b in bases):
+            return len({(b.weight.dtype, b.weight.device) for b in bases}) == 1
+        return False
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -114,7 +247,7 @@ class LoRA:
 
 class Engine:
     def __init__(self, model, device: str | torch.device | None = None, cuda_graph: bool = True,
-                 grad_checkpoint: bool = False):
+                 grad_checkpoint: bool = False, fuse: bool | None = None, compile_elementwise: bool | None = None):
         mt = getattr(model.config, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise QerlError(f"the rollout engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not '{mt}'.")
@@ -140,6 +273,19 @@ class Engine:
         self.use_graph = cuda_graph and self.device.type == "cuda"
         # differentiable forwards without a cache recompute each layer in the backward pass
         self.grad_checkpoint = grad_checkpoint
+        if fuse is None:  # default: on CUDA; QERL_ENGINE_FUSE=0/1 overrides
+            env = os.environ.get("QERL_ENGINE_FUSE")
+            fuse = self.device.type == "cuda" if env is None else env == "1"
+        if compile_elementwise is None:  # opt-in (QERL_ENGINE_COMPILE=1): inference forwards on CUDA only
+            compile_elementwise = os.environ.get("QERL_ENGINE_COMPILE") == "1"
+        self._ops = _compiled_ops() if compile_elementwise and self.device.type == "cuda" else None
+        self.fused: list[dict[str, _Fused]] = [{} for _ in self.layers]
+        if fuse:
+            for i, layer in enumerate(self.layers):
+                for key, (parent, members) in FUSED_GROUPS.items():
+                    mods = [getattr(getattr(layer, parent), n) for n in members]
+                    if _Fused.possible(mods):
+                        self.fused[i][key] = _Fused(mods, [f"model.layers.{i}.{parent}.{n}" for n in members])
         self._graph = None
         self._eos: set[int] = set()
 
@@ -202,6 +348,21 @@ class Engine:
                 y = y + (x @ a.t()) @ b.t() * self.lora.scaling
         return y
 
+    def _group(self, i: int, key: str, modules: list, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+        """Outputs of sibling linears on the same input: one fused matmul where the layer has one."""
+        f = self.fused[i].get(key)
+        if f is None:
+            return [self._linear(m, n, x) for m, n in zip(modules, names)]
+        outs = list(f.base(x).split(f.sizes, dim=-1))
+        for j, (m, n) in enumerate(zip(f.modules, f.names)):
+            d = _peft_delta(m, x)
+            if d is not None:
+                outs[j] = outs[j] + d
+            if self.lora is not None and n in self.lora.factors:
+                a, b = self.lora.factors[n]
+                outs[j] = outs[j] + (x @ a.t()) @ b.t() * self.lora.scaling
+        return outs
+
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, key_mask: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, write_at: torch.Tensor | None = None,
                 rows: slice | None = None) -> torch.Tensor:
@@ -242,13 +403,15 @@ class Engine:
         """One decoder layer (pre-norm attention + pre-norm SwiGLU MLP, residuals) on hidden states ``h``."""
         b, t, _ = h.shape
         layer, pre = self.layers[i], f"model.layers.{i}."
+        ops = self._ops if self._ops is not None and not torch.is_grad_enabled() else _EAGER_OPS
         attn = layer.self_attn
-        x = _rms_norm(h, w_in, self.eps)
-        q = self._linear(attn.q_proj, pre + "self_attn.q_proj", x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self._linear(attn.k_proj, pre + "self_attn.k_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self._linear(attn.v_proj, pre + "self_attn.v_proj", x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        x = ops.norm(h, w_in, self.eps)
+        q, k, v = self._group(i, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj],
+                              [pre + "self_attn.q_proj", pre + "self_attn.k_proj", pre + "self_attn.v_proj"], x)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = ops.rope(q, k, cos, sin)
         if cache is not None:
             kc, vc = cache[i]
             idx = write_at + torch.arange(t, device=h.device)
@@ -257,12 +420,10 @@ class Engine:
             k, v = kc, vc
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
-        h = h + self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
-        x = _rms_norm(h, w_post, self.eps)
+        h, x = ops.add_norm(h, self._linear(attn.o_proj, pre + "self_attn.o_proj", o), w_post, self.eps)
         mlp = layer.mlp
-        g = self._linear(mlp.gate_proj, pre + "mlp.gate_proj", x)
-        u = self._linear(mlp.up_proj, pre + "mlp.up_proj", x)
-        return h + self._linear(mlp.down_proj, pre + "mlp.down_proj", F.silu(g) * u)
+        g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "mlp.gate_proj", pre + "mlp.up_proj"], x)
+        return h + self._linear(mlp.down_proj, pre + "mlp.down_proj", ops.silu_mul(g, u))
 
     # ---------------------------------------------------------------- sampling
     def _new_cache(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
