@@ -22,8 +22,8 @@ case "${1:?part 1, 2 or 3}" in
 from qerl_cli import kernel; import time; t=time.time(); ok=kernel.available()
 print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t:.1f}s')" 2>&1 | tee "$OUT/build.log"
   stamp 1 "kernel built"
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel.py tests/test_engine_gpu.py \
-    tests/test_train_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_kernel.py tests/test_engine_gpu.py \
+    tests/test_train_gpu.py tests/test_calibrate_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
   stamp 1 "GPU tests done"
   timeout 240 python3 benchmarks/bench_rollout.py --skip-smollm2 --profile --json "$OUT/rollout_7b_h200.json" 2>&1 \
     | tee "$OUT/bench_rollout_7b.log" | grep -v '^{'
@@ -35,8 +35,8 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
   stamp 2 "GGUF assembled, gguf installed"
   M=$W/matrix; mkdir -p $M
   set -e
-  $QERL calibrate $GGUF --data tests/data/gsm8k/train.jsonl --field question,answer --samples 64 --seq-len 512 \
-    --no-progress -o $M/calib 2>&1 | tail -15 | tee "$OUT/calibrate.log"
+  CAL="calibrate $GGUF --data tests/data/gsm8k/train.jsonl --field question,answer --samples 64 --seq-len 512 --no-progress -o $M/calib"
+  { $QERL $CAL --device ${CALIB_DEVICE:-cuda} || { rm -rf $M/calib; $QERL $CAL --device cpu; }; } 2>&1 | tail -15 | tee "$OUT/calibrate.log"
   $QERL quantize $GGUF --calib $M/calib --no-progress -o $M/quant 2>&1 | tail -5
   $QERL pack $M/quant --no-progress -o $M/packed 2>&1 | tail -5
   $QERL verify $M/packed --no-progress -o $M/verify 2>&1 | tail -25 | tee "$OUT/verify.log"

@@ -271,7 +271,9 @@ def clipped_block_scales(weight: torch.Tensor, gscale: torch.Tensor,
     s = (gscale.float() * (amax / nvfp4.E2M1_MAX)).clamp(max=nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)
     zero = s.float() == 0
     if zero.any():
-        s = torch.where(zero, torch.tensor(nvfp4.ZERO_SCALE_REPLACEMENT).to(torch.float8_e4m3fn), s)
+        # in fp32 (exact: both values are e4m3 numbers), on the scales' own device
+        s = torch.where(zero, torch.full_like(s, nvfp4.ZERO_SCALE_REPLACEMENT, dtype=torch.float32), s.float())
+        s = s.to(torch.float8_e4m3fn)
     return s
 
 

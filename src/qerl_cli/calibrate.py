@@ -36,6 +36,7 @@ class CalibrateConfig:
     max_tokens: int
     batch_size: int
     progress: bool
+    device: str = "cpu"
 
     def __post_init__(self):
         problems = []
@@ -163,7 +164,7 @@ class _Capture:
 def _run_layer(layer, hidden: torch.Tensor, rotary, batch_size: int) -> torch.Tensor:
     out = torch.empty_like(hidden)
     seq = hidden.shape[1]
-    pos = torch.arange(seq).unsqueeze(0)
+    pos = torch.arange(seq, device=hidden.device).unsqueeze(0)
     for b in range(0, hidden.shape[0], batch_size):
         h = hidden[b: b + batch_size]
         pe = rotary(h, pos.expand(h.shape[0], -1))
@@ -251,11 +252,17 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
 
 def calibrate(model: str, data_spec: str, output: str | Path, samples: int | None = None, seq_len: int | None = None,
               field: str | None = None, seed: int | None = None, config_file: str | Path | None = None,
-              force: bool = False, progress: bool = True) -> artifact.Artifact:
-    """Search AWQ scales (and clip ratios) for MODEL on calibration text; write a ``calib`` artifact."""
+              force: bool = False, progress: bool = True, device: str | None = None) -> artifact.Artifact:
+    """Search AWQ scales (and clip ratios) for MODEL on calibration text; write a ``calib`` artifact.
+
+    ``device`` (default: CUDA where available): where each layer's forward and search run, in fp32; the model
+    stays on the CPU and one layer at a time moves to the device."""
     output = Path(output)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = config.load("calibrate", CalibrateConfig, config_file,
-                      {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress})
+                      {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress,
+                       "device": device})
     source = modelio.resolve(model)
     records = data.load_records(data_spec, cfg.split)
     data_input = artifact.Input("data", data_spec, records.origin.get("sha256") or
@@ -269,18 +276,21 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
         layers = decoder_layers(net)
         total = tokens.numel()
         g = torch.Generator().manual_seed(cfg.seed)
-        keep = torch.randperm(total, generator=g)[: min(cfg.max_tokens, total)].sort().values
+        dev = torch.device(cfg.device)
+        keep = torch.randperm(total, generator=g)[: min(cfg.max_tokens, total)].sort().values.to(dev)
         with torch.no_grad():
-            hidden = net.model.embed_tokens(tokens).float()
-        rotary = net.model.rotary_emb
+            hidden = net.model.embed_tokens(tokens).float().to(dev)
+        rotary = net.model.rotary_emb.to(dev)
         all_scales: dict[str, torch.Tensor] = {}
         report: list[dict] = []
         clip: dict[str, float] = {}
         for i in ui.track(range(len(layers)), "calibrating layers", total=len(layers), enabled=cfg.progress):
             prefix = f"model.layers.{i}"
+            layers[i].to(dev)
             hidden, scales, rows, layer_clip = search_layer(layers[i], hidden, rotary, keep, cfg)
+            layers[i].to("cpu")
             for gname, s in scales.items():
-                all_scales[f"{prefix}.{gname}"] = s.contiguous()
+                all_scales[f"{prefix}.{gname}"] = s.cpu().contiguous()
             for r in rows:
                 report.append({"layer": i, **r, "clip_ratios": {f"{prefix}.{k}": v for k, v in r["clip_ratios"].items()}})
             clip.update({f"{prefix}.{k}": v for k, v in layer_clip.items()})

@@ -52,6 +52,7 @@ def calibrate_cmd(
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence.")] = None,
     field: Annotated[Optional[str], typer.Option("--field", help="Text column(s), comma-separated, or 'messages' for chat rows.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the row order and error subset.")] = None,
+    device: Annotated[Optional[str], typer.Option("--device", help="'cuda' or 'cpu' (default: cuda where available); one layer at a time on it.")] = None,
     config: ConfigFile = None,
     force: Force = False,
     progress: Progress = True,
@@ -70,7 +71,7 @@ def calibrate_cmd(
     from .calibrate import calibrate
 
     calibrate(model, data, output, samples=samples, seq_len=seq_len, field=field, seed=seed, config_file=config,
-              force=force, progress=progress)
+              force=force, progress=progress, device=device)
 
 
 @app.command("quantize")
