@@ -679,7 +679,7 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
         "progress": progress, "skip_verify": skip_verify, "device": device.split(":")[0], "world_size": world,
         **(overrides or {})})
     dist = _Dist(device)
-    if device.startswith("cuda"):
+    if device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))
 
     model, tok, input_arts, info = rollout.load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
