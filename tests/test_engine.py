@@ -234,3 +234,38 @@ def test_fused_projections_carry_peft_lora_and_gradients(model):
     for a, b in zip(res[0][1], res[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert any(g.abs().max() > 0 for g in res[1][1])
+
+
+def test_teacher_forced_logprobs_in_row_chunks(model, monkeypatch):
+    """The vocabulary projection runs a few rows at a time (recomputed in the backward): same values and
+    gradients as one whole-batch projection."""
+    from qerl_cli import engine as eng_mod
+    from qerl_cli import lora as qlora
+
+    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("q_proj", "down_proj"), 0)
+    with torch.no_grad():
+        for _, p in qlora.trainable(pm):
+            p.normal_(0, 0.1)
+    eng = Engine(pm.get_base_model())
+    comp = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    res = []
+    for chunk_rows in (None, 1):
+        if chunk_rows is not None:  # one row per projection
+            monkeypatch.setattr(eng_mod, "LOGIT_CHUNK_ELEMENTS", 4 * model.lm_head.weight.shape[0])
+        pm.zero_grad()
+        lp = eng.sequence_logprobs([PROMPTS[0], PROMPTS[1], PROMPTS[2]], comp, mask, 0.8, PAD)
+        (lp * torch.arange(1, 13).view(3, 4)).sum().backward()
+        res.append((lp.detach(), [p.grad.clone() for _, p in qlora.trainable(pm)]))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=1e-6)
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert float(res[0][0][2, 1:].abs().max()) == 0.0  # masked positions are 0
+    full = torch.log_softmax(eng.forward(*_tf_inputs(PROMPTS[1], comp[1])).float() / 0.8, -1)
+    ref = full[0, len(PROMPTS[1]) - 1: len(PROMPTS[1]) + 3].gather(-1, comp[1][:, None]).squeeze(-1)
+    torch.testing.assert_close(res[1][0][1], ref.detach(), rtol=0, atol=1e-5)
+
+
+def _tf_inputs(prompt, completion):
+    ids = torch.tensor([list(prompt) + completion.tolist()])
+    return ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool)

@@ -34,6 +34,8 @@ import torch.utils.checkpoint
 from .errors import QerlError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Teacher-forced log-probs project at most this many logits at a time (fp32: 1 GiB).
+LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
 
 @dataclass
@@ -365,7 +367,7 @@ class Engine:
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, key_mask: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, write_at: torch.Tensor | None = None,
-                rows: slice | None = None) -> torch.Tensor:
+                rows: slice | None = None, hidden_only: bool = False) -> torch.Tensor:
         """Logits ``[B, T, V]`` for tokens ``ids [B, T]`` at positions ``pos``. Without a cache, attention is
         causal over ``ids`` with ``key_mask [B, T]``; with a cache, K/V are written at ``write_at`` (T slots
         from there) and queries attend to every cache slot allowed by ``key_mask [B, S]`` and causality."""
@@ -396,7 +398,7 @@ class Engine:
             else:
                 h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, write_at)
         h = _rms_norm(h, self.final_norm, self.eps)
-        return self.lm_head(h)
+        return h if hidden_only else self.lm_head(h)
 
     def _layer(self, i: int, h: torch.Tensor, w_in: torch.Tensor, w_post: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, mask: torch.Tensor, cache, write_at) -> torch.Tensor:
@@ -577,7 +579,21 @@ class Engine:
         key[:, p_len:] = completion_mask
         ids, key = ids.to(dev), key.to(dev)
         pos = (key.long().cumsum(1) - 1).clamp(min=0)
-        logits = self.forward(ids, pos, key)[:, p_len - 1: p_len + t - 1].float()
-        lp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
-        out = lp.gather(-1, completion_ids.to(dev)[..., None]).squeeze(-1)
+        # the vocabulary projection only where a completion token is predicted, a few rows at a time: the
+        # [rows, T, vocab] fp32 logits never exist whole (in a differentiable pass each chunk's logits are
+        # recomputed in the backward instead of kept)
+        h = self.forward(ids, pos, key, hidden_only=True)[:, p_len - 1: p_len + t - 1]
+        targets = completion_ids.to(dev)
+        inv_t = 1.0 / (temperature if temperature > 0 else 1.0)
+
+        def chunk(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+            z = self.lm_head(hc).float() * inv_t
+            return z.gather(-1, tc[..., None]).squeeze(-1) - torch.logsumexp(z, -1)
+
+        vocab = self.lm_head.weight.shape[0]
+        step = max(1, LOGIT_CHUNK_ELEMENTS // max(t * vocab, 1))
+        grad = torch.is_grad_enabled() and h.requires_grad
+        parts = [torch.utils.checkpoint.checkpoint(chunk, h[i: i + step], targets[i: i + step], use_reentrant=False)
+                 if grad else chunk(h[i: i + step], targets[i: i + step]) for i in range(0, r, step)]
+        out = torch.cat(parts) if parts else h.new_zeros((0, t), dtype=torch.float32)
         return out * completion_mask.to(dev)
