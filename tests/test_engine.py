@@ -269,3 +269,20 @@ def test_teacher_forced_logprobs_in_row_chunks(model, monkeypatch):
 def _tf_inputs(prompt, completion):
     ids = torch.tensor([list(prompt) + completion.tolist()])
     return ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool)
+
+
+def test_cuda_elementwise_variants_equal_the_reference_ops():
+    """The CUDA op set (torch's fused RMSNorm) and the single-pass rotary of q and k compute what the CPU
+    reference ops compute (checked here on CPU, where both run)."""
+    from qerl_cli import engine as E
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    a, b = E._rms_norm(x, w, 1e-5).float(), E._rms_norm_fused(x, w, 1e-5).float()
+    assert float((a - b).abs().max()) <= 2 ** -7 * float(a.abs().max())  # at most bf16 rounding apart
+    q, k = torch.randn(3, 4, 5, 16, generator=g), torch.randn(3, 2, 5, 16, generator=g)
+    cos, sin = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)
+    rq, rk = E._rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+    qk = E._rope1(torch.cat([q, k], 1).transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
+    assert torch.equal(qk[:, :4], rq) and torch.equal(qk[:, 4:], rk)

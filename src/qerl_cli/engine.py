@@ -107,6 +107,20 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def _rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rms_norm_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``_rms_norm`` through torch's fused RMSNorm (fewer kernels on CUDA; fp32 statistics as before)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _add_norm_fused(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float):
+    h = h + d
+    return h, _rms_norm_fused(h, w, eps)
+
+
 def _add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float):
     """Residual add, then RMSNorm of the sum: (new residual, normed)."""
     h = h + d
@@ -118,14 +132,18 @@ def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class _Ops:
-    """The elementwise pieces of a layer: eager, or each compiled into one fused kernel (torch.compile)."""
+    """The elementwise pieces of a layer: eager (CPU: exactly HF's op order), eager with torch's fused RMSNorm
+    (CUDA), or each compiled into one fused kernel (torch.compile, opt-in)."""
 
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, fused_norm: bool = False):
         wrap = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compiled else (lambda f: f)
-        self.norm, self.rope, self.add_norm, self.silu_mul = (wrap(f) for f in (_rms_norm, _rope, _add_norm, _silu_mul))
+        norm, add_norm = (_rms_norm_fused, _add_norm_fused) if fused_norm else (_rms_norm, _add_norm)
+        self.norm, self.rope, self.rope1, self.add_norm, self.silu_mul = (
+            wrap(f) for f in (norm, _rope, _rope1, add_norm, _silu_mul))
 
 
 _EAGER_OPS = _Ops(False)
+_CUDA_OPS = _Ops(False, fused_norm=True)
 _COMPILED_OPS: _Ops | None = None
 
 
@@ -350,20 +368,29 @@ class Engine:
                 y = y + (x @ a.t()) @ b.t() * self.lora.scaling
         return y
 
+    def _fused_out(self, f: _Fused, x: torch.Tensor) -> torch.Tensor:
+        """The fused group's output ``[..., sum(sizes)]``, each member's LoRA added to its slice."""
+        y = f.base(x)
+        deltas: list[torch.Tensor | None] = []
+        for m, n in zip(f.modules, f.names):
+            d = _peft_delta(m, x)
+            if self.lora is not None and n in self.lora.factors:
+                a, b = self.lora.factors[n]
+                c = (x @ a.t()) @ b.t() * self.lora.scaling
+                d = c if d is None else d + c
+            deltas.append(d)
+        if all(d is None for d in deltas):
+            return y
+        ref = next(d for d in deltas if d is not None)
+        return y + torch.cat([d if d is not None else ref.new_zeros(ref.shape[:-1] + (size,))
+                              for d, size in zip(deltas, f.sizes)], -1)
+
     def _group(self, i: int, key: str, modules: list, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         """Outputs of sibling linears on the same input: one fused matmul where the layer has one."""
         f = self.fused[i].get(key)
         if f is None:
             return [self._linear(m, n, x) for m, n in zip(modules, names)]
-        outs = list(f.base(x).split(f.sizes, dim=-1))
-        for j, (m, n) in enumerate(zip(f.modules, f.names)):
-            d = _peft_delta(m, x)
-            if d is not None:
-                outs[j] = outs[j] + d
-            if self.lora is not None and n in self.lora.factors:
-                a, b = self.lora.factors[n]
-                outs[j] = outs[j] + (x @ a.t()) @ b.t() * self.lora.scaling
-        return outs
+        return list(self._fused_out(f, x).split(f.sizes, dim=-1))
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, key_mask: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, write_at: torch.Tensor | None = None,
@@ -373,8 +400,7 @@ class Engine:
         from there) and queries attend to every cache slot allowed by ``key_mask [B, S]`` and causality."""
         b, t = ids.shape
         h = self.embed(ids)
-        cos, sin = self.rotary(h, pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = self.rotary(h, pos)  # [B, T, head_dim]
         norms = self.effective_norm_weights()
         if cache is None:
             s_len, base = t, torch.zeros((), dtype=torch.long, device=ids.device)
@@ -405,15 +431,27 @@ class Engine:
         """One decoder layer (pre-norm attention + pre-norm SwiGLU MLP, residuals) on hidden states ``h``."""
         b, t, _ = h.shape
         layer, pre = self.layers[i], f"model.layers.{i}."
-        ops = self._ops if self._ops is not None and not torch.is_grad_enabled() else _EAGER_OPS
+        if self._ops is not None and not torch.is_grad_enabled():
+            ops = self._ops
+        else:
+            ops = _CUDA_OPS if h.is_cuda else _EAGER_OPS
         attn = layer.self_attn
         x = ops.norm(h, w_in, self.eps)
-        q, k, v = self._group(i, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj],
-                              [pre + "self_attn.q_proj", pre + "self_attn.k_proj", pre + "self_attn.v_proj"], x)
-        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = ops.rope(q, k, cos, sin)
+        f = self.fused[i].get("qkv")
+        if f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
+            y = self._fused_out(f, x)
+            nq, nk, _ = f.sizes
+            qk = ops.rope1(y[..., : nq + nk].view(b, t, self.n_heads + self.n_kv, self.head_dim),
+                           cos.unsqueeze(2), sin.unsqueeze(2))
+            q, k = qk[:, :, : self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:].transpose(1, 2)
+            v = y[..., nq + nk:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        else:
+            q, k, v = (self._linear(m, pre + "self_attn." + n, x) for m, n in
+                       ((attn.q_proj, "q_proj"), (attn.k_proj, "k_proj"), (attn.v_proj, "v_proj")))
+            q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = ops.rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         if cache is not None:
             kc, vc = cache[i]
             idx = write_at + torch.arange(t, device=h.device)
