@@ -162,6 +162,20 @@ def _compiled_ops() -> _Ops:
 FUSED_GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up": ("mlp", ("gate_proj", "up_proj"))}
 
 
+def _reference_packed(model) -> bool:
+    """True when the model has packed linears but the CUDA kernel is unavailable: their pure-torch fallback
+    copies index tables to the device on every call, which a CUDA graph cannot capture (eager decode then)."""
+    from .packed_model import PackedLinear
+
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        return False
+    try:
+        from . import kernel
+    except ImportError:
+        return True
+    return not kernel.available()
+
+
 def _base_layer(m):
     """The frozen base of a (possibly peft-wrapped) linear."""
     return getattr(m, "base_layer", m)
@@ -290,7 +304,7 @@ class Engine:
         self.noise = NoiseState()
         self._noisy: list[dict[str, torch.Tensor]] | None = None  # [H] or [R, 1, H] per layer and target
         self.lora: LoRA | None = None
-        self.use_graph = cuda_graph and self.device.type == "cuda"
+        self.use_graph = cuda_graph and self.device.type == "cuda" and not _reference_packed(model)
         # differentiable forwards without a cache recompute each layer in the backward pass
         self.grad_checkpoint = grad_checkpoint
         if fuse is None:  # default: on CUDA; QERL_ENGINE_FUSE=0/1 overrides
