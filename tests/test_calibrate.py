@@ -179,3 +179,28 @@ def test_chat_shaped_rows_use_the_chat_template(smollm2_tokenizer):
     first = rows[info["row_indices"][0]]
     expected = smollm2_tokenizer.apply_chat_template(first["messages"], tokenize=False)
     assert smollm2_tokenizer.decode(tokens.flatten()[: info["row_token_lengths"][0]].tolist()) == expected
+
+
+def test_aqn_sigma_is_defined_on_the_unfolded_norm_scales(calib_dir, tiny_model_dir, tmp_path):
+    """On an AWQ pack the norm scales are w / s; each AQN draw is divided by s, so the same sigma and seed
+    perturb w exactly as they would on the uncalibrated model (z on w, then folded)."""
+    from qerl_cli.engine import Engine
+    from qerl_cli.packed_model import load_packed_model
+
+    quantize.quantize(str(tiny_model_dir), tmp_path / "quant", calib=calib_dir, progress=False)
+    art = pack.pack(tmp_path / "quant", tmp_path / "packed", progress=False)
+    model = load_packed_model(art)
+    folds = load_file(str(art.file(names.FOLDING)))
+    assert set(model.qerl_norm_folding) == {k for k in folds if k.endswith("layernorm")} != set()
+    eng = Engine(model)
+    eng.set_noise(0.05, 7)
+    noisy = eng.effective_norm_weights()
+    model.qerl_norm_folding = {}  # the same draw without the factors: z itself
+    plain = Engine(model)
+    plain.set_noise(0.05, 7)
+    raw = plain.effective_norm_weights()
+    for i, (n, r, c) in enumerate(zip(noisy, raw, eng.clean)):
+        for t in ("input_layernorm", "post_attention_layernorm"):
+            s = folds[f"model.layers.{i}.{t}"]
+            torch.testing.assert_close((n[t] - c[t]) * s, r[t] - c[t], rtol=1e-4, atol=1e-6)
+    assert eng.noise.space == "unfolded norm scales"

@@ -335,7 +335,8 @@ def print_summary(report: dict) -> None:
 def apply_calibration(model, calib: artifact.Artifact) -> tuple[dict[str, float], dict[str, torch.Tensor], dict]:
     """Fold a calib artifact's scales into ``model`` (float function unchanged); return (clip ratios per
     linear, folding factors per folded module, summary). The folding factor ``s`` of a norm means its weight
-    was divided by ``s`` — what AQN perturbs downstream is that folded weight."""
+    was divided by ``s``; the rollout engine divides each AQN draw by it, so sigma keeps its meaning on the
+    unfolded scales."""
     scales = load_file(str(calib.file(names.CALIB_SCALES)))
     report = json.loads(calib.file(names.CALIB_REPORT).read_text())
     layers = decoder_layers(model)

@@ -68,6 +68,9 @@ class NoiseState:
     scope: str = "batch"  # "batch": one draw for the whole batch; "group": one draw per prompt group
     targets: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     draws: int = 0  # how many draws this engine has made (each from the clean snapshot)
+    # sigma is defined on the model's original (unfolded) norm scales: on an AWQ-folded model (scale w / s)
+    # each draw is divided by s, so a given sigma perturbs the model function the same with or without AWQ
+    space: str = "unfolded norm scales"
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -301,6 +304,9 @@ class Engine:
         self.rotary = model.model.rotary_emb
         self.clean = [{t: getattr(layer, t).weight.detach().clone() for t in NoiseState.targets}
                       for layer in self.layers]
+        folds = getattr(model, "qerl_norm_folding", None) or {}
+        self.noise_divisor = [{t: folds.get(f"model.layers.{i}.{t}") for t in NoiseState.targets}
+                              for i in range(len(self.layers))]
         self.noise = NoiseState()
         self._noisy: list[dict[str, torch.Tensor]] | None = None  # [H] or [R, 1, H] per layer and target
         self.lora: LoRA | None = None
@@ -349,11 +355,13 @@ class Engine:
             return self.noise
         g = torch.Generator(device="cpu").manual_seed(seed)
         noisy = []
-        for clean in self.clean:
+        for clean, div in zip(self.clean, self.noise_divisor):
             d = {}
             for t, w in clean.items():
                 shape = (groups,) + tuple(w.shape) if scope == "group" else tuple(w.shape)
                 z = torch.randn(shape, generator=g, dtype=torch.float32) * sigma
+                if div[t] is not None:  # AWQ-folded scale w / s: the same draw on w, folded
+                    z = z / div[t]
                 v = (w.float().cpu() + z).to(self.device, w.dtype)
                 if scope == "group":
                     v = v.repeat_interleave(group_size, dim=0).unsqueeze(1)  # [R, 1, H]

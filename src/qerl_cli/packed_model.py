@@ -120,7 +120,17 @@ def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device:
                                               None if bias is None else bias.to(dtype)))
         skip.update({qk, gk, f"{name}.bias"})
     _load_rest(model, tensors, skip, dtype, art.path)
+    attach_norm_folding(model, art.path)
     return model.to(device)
+
+
+def attach_norm_folding(model, art_dir: Path) -> None:
+    """Record on ``model`` (``qerl_norm_folding``: module name -> s) the AWQ factors its RMSNorm scales were
+    divided by, from an artifact's ``awq_folding.safetensors`` (absent for round-to-nearest): the rollout
+    engine defines AQN's sigma on the unfolded scales with them."""
+    path = Path(art_dir) / names.FOLDING
+    folds = load_file(str(path)) if path.is_file() else {}
+    model.qerl_norm_folding = {k: v.float() for k, v in folds.items() if k.rsplit(".", 1)[-1].endswith("layernorm")}
 
 
 def load_dequantized_model(tensors: dict[str, torch.Tensor], art_dir: Path, dtype: torch.dtype = torch.float32,

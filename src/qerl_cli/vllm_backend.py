@@ -32,10 +32,19 @@ class VLLMEngine:
                        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs")
         self.noise = NoiseState()
         self.llm.apply_model(_snapshot_norms)
+        # AWQ folding factors of the norm scales (as our engine: sigma is defined on the unfolded scales)
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        from .names import FOLDING
+
+        fold = Path(quant_dir) / FOLDING
+        self.folds = {k: v.float() for k, v in load_file(str(fold)).items()} if fold.is_file() else {}
 
     def set_noise(self, sigma: float, seed: int) -> NoiseState:
         self.noise = NoiseState(sigma=sigma, seed=seed, scope="batch", draws=self.noise.draws + (sigma > 0))
-        self.llm.apply_model(lambda model: _draw_norms(model, sigma, seed))
+        self.llm.apply_model(lambda model: _draw_norms(model, sigma, seed, self.folds))
         return self.noise
 
     def generate(self, prompts: list[list[int]], group: int, sampling: SamplingConfig, seed: int,
@@ -77,10 +86,13 @@ def _snapshot_norms(model) -> None:
             mod._qerl_clean = mod.weight.detach().clone()
 
 
-def _draw_norms(model, sigma: float, seed: int) -> None:
+def _draw_norms(model, sigma: float, seed: int, folds: dict[str, torch.Tensor]) -> None:
     g = torch.Generator(device="cpu").manual_seed(seed)
     for name, mod in sorted(model.named_modules(), key=lambda kv: kv[0]):
         if hasattr(mod, "_qerl_clean"):
             z = torch.randn(mod._qerl_clean.shape, generator=g) * sigma
+            s = folds.get(name) if name in folds else folds.get("model." + name.split("model.", 1)[-1])
+            if s is not None:
+                z = z / s
             with torch.no_grad():
                 mod.weight.copy_(mod._qerl_clean + z.to(mod.weight.device, mod.weight.dtype))
