@@ -113,6 +113,11 @@ def _run_rows(arts: list[artifact.Artifact], target: float | None) -> list[dict]
     return rows
 
 
+def _label(path: str) -> str:
+    """A short legend label: the last two path parts (``bf16-s0/run``)."""
+    return "/".join(Path(path).parts[-2:])
+
+
 def _plot(rows: list[dict], out: Path) -> None:
     try:
         import matplotlib
@@ -127,7 +132,7 @@ def _plot(rows: list[dict], out: Path) -> None:
         for r in rows:
             pts = [(x, y) for x, y in r["curves"][key] if y is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=r["path"])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=_label(r["path"]))
         ax.set_title(CURVE_TITLES[key])
         ax.set_xlabel("training time (s)")
         ax.grid(alpha=0.3)
