@@ -444,12 +444,12 @@ class Engine:
                 h = torch.utils.checkpoint.checkpoint(self._layer, i, h, w_in, w_post, cos, sin, mask, None, None,
                                                       use_reentrant=False)
             else:
-                h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, write_at)
+                h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, qpos)
         h = _rms_norm(h, self.final_norm, self.eps)
         return h if hidden_only else self.lm_head(h)
 
     def _layer(self, i: int, h: torch.Tensor, w_in: torch.Tensor, w_post: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, mask: torch.Tensor, cache, write_at) -> torch.Tensor:
+               sin: torch.Tensor, mask: torch.Tensor, cache, slots: torch.Tensor | None) -> torch.Tensor:
         """One decoder layer (pre-norm attention + pre-norm SwiGLU MLP, residuals) on hidden states ``h``."""
         b, t, _ = h.shape
         layer, pre = self.layers[i], f"model.layers.{i}."
@@ -476,9 +476,8 @@ class Engine:
             q, k = ops.rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         if cache is not None:
             kc, vc = cache[i]
-            idx = write_at + torch.arange(t, device=h.device)
-            kc.index_copy_(2, idx, k.to(kc.dtype))
-            vc.index_copy_(2, idx, v.to(vc.dtype))
+            kc.index_copy_(2, slots, k.to(kc.dtype))  # slots: this call's T cache slots (one per forward)
+            vc.index_copy_(2, slots, v.to(vc.dtype))
             k, v = kc, vc
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
