@@ -112,6 +112,36 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+// Sub-tile j (16 inputs) of a lane's tile record: its 32-bit code word.
+__device__ __forceinline__ uint32_t subtile_word(const WTile& t, int j) {
+  return j == 0 ? t.c.x : j == 1 ? t.c.y : j == 2 ? t.c.z : t.c.w;
+}
+
+// The four A-fragment registers of one sub-tile word: E2M1 pairs -> bf16x2, times the row scales (row g, g + 8).
+__device__ __forceinline__ void decode_subtile(uint32_t* a, uint32_t w, __nv_bfloat162 s_lo, __nv_bfloat162 s_hi) {
+  const uint32_t w8 = w >> 8;
+  a[0] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w)), s_lo));
+  a[1] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w)), s_hi));
+  a[2] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w8)), s_lo));
+  a[3] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w8)), s_hi));
+}
+
+// The MMAs of one 32-input half (two sub-tiles) against every token group: B fragments from shared memory.
+template <int TG, int R>
+__device__ __forceinline__ void mma_half(float (&acc)[R][TG][4], const uint32_t (&a)[R][2][4], uint32_t lrow,
+                                         const uint32_t (&lrow_off)[TG], uint32_t col_bytes) {
+#pragma unroll
+  for (int q = 0; q < TG; ++q) {
+    uint32_t b[4];
+    ldmatrix_x4(b, lrow + lrow_off[q] + col_bytes);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      mma_bf16(acc[r][q], a[r][0], b[0], b[1]);
+      mma_bf16(acc[r][q], a[r][1], b[2], b[3]);
+    }
+  }
+}
+
 // TG: token groups of 8 per CTA (M_slice <= 8*TG); R: row blocks (16 rows) per warp; D: K tiles of weight
 // loads in flight per warp; KCH: K tiles of activations staged in shared memory per chunk; NACC: accumulator
 // sets (2 splits the dependent mma chain when R*TG is small).
@@ -201,27 +231,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           const int j = 2 * jp + jj;
-          const uint32_t w = j == 0 ? cur[r].c.x : j == 1 ? cur[r].c.y : j == 2 ? cur[r].c.z : cur[r].c.w;
-          const uint32_t w8 = w >> 8;
           const __nv_bfloat162 s2 = jj == 0 ? scale_pair<0>(sw) : scale_pair<1>(sw);
-          const __nv_bfloat162 s_lo = __low2bfloat162(s2);   // row g
-          const __nv_bfloat162 s_hi = __high2bfloat162(s2);  // row g + 8
-          a[r][jj][0] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w)), s_lo));
-          a[r][jj][1] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w)), s_hi));
-          a[r][jj][2] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w8)), s_lo));
-          a[r][jj][3] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w8)), s_hi));
+          decode_subtile(a[r][jj], subtile_word(cur[r], j), __low2bfloat162(s2), __high2bfloat162(s2));
         }
       }
-#pragma unroll
-      for (int q = 0; q < TG; ++q) {
-        uint32_t b[4];
-        ldmatrix_x4(b, lrow + lrow_off[q] + (uint32_t)((ktl * 64 + 32 * jp) * 2));
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          mma_bf16(acc[jp % NACC][r][q], a[r][0], b[0], b[1]);
-          mma_bf16(acc[jp % NACC][r][q], a[r][1], b[2], b[3]);
-        }
-      }
+      mma_half<TG, R>(acc[jp % NACC], a, lrow, lrow_off, (uint32_t)((ktl * 64 + 32 * jp) * 2));
     }
   };
 
@@ -461,26 +475,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
             const int j = 2 * jp + jj;
-            const uint32_t w = j == 0 ? cur[r].c.x : j == 1 ? cur[r].c.y : j == 2 ? cur[r].c.z : cur[r].c.w;
-            const uint32_t w8 = w >> 8;
-            const __nv_bfloat162 s_lo = jj == 0 ? bf_lo2(s0) : bf_hi2(s0);  // row g
-            const __nv_bfloat162 s_hi = jj == 0 ? bf_lo2(s8) : bf_hi2(s8);  // row g + 8
-            a[r][jj][0] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w)), s_lo));
-            a[r][jj][1] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w)), s_hi));
-            a[r][jj][2] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w8)), s_lo));
-            a[r][jj][3] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w8)), s_hi));
+            decode_subtile(a[r][jj], subtile_word(cur[r], j), jj == 0 ? bf_lo2(s0) : bf_hi2(s0),  // row g
+                           jj == 0 ? bf_lo2(s8) : bf_hi2(s8));                                      // row g + 8
           }
         }
-#pragma unroll
-        for (int q = 0; q < TG; ++q) {
-          uint32_t bfr[4];
-          ldmatrix_x4(bfr, lrow + lrow_off[q] + (uint32_t)((ktl * 64 + 32 * jp) * 2));
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            mma_bf16(acc[jp % NACC][r][q], a[r][0], bfr[0], bfr[1]);
-            mma_bf16(acc[jp % NACC][r][q], a[r][1], bfr[2], bfr[3]);
-          }
-        }
+        mma_half<TG, R>(acc[jp % NACC], a, lrow, lrow_off, (uint32_t)((ktl * 64 + 32 * jp) * 2));
       }
     };
 
