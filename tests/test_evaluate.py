@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -128,15 +129,14 @@ def test_report_on_runs_time_to_target_and_curves(tmp_path):
     assert "not reached within budget" in r.file(names.REPORT_MD).read_text()
 
 
-def test_report_time_to_target_uses_heldout_accuracy(tmp_path):
-    """With held-out evaluations in the run, the target is judged on them (at the training time of their step,
-    evaluation time excluded), not on the accuracy of the training samples."""
-    path = tmp_path / "run-h"
-    path.mkdir()
-    lines = [{"step": 0, "time_elapsed_s": 0.0, "heldout_accuracy": 0.3, "heldout_ci95": [0.2, 0.4], "heldout_n": 100}]
-    for i, (train_acc, held) in enumerate([(0.7, None), (0.8, 0.5), (0.8, None), (0.9, 0.62)]):
+def _heldout_run(path, first, steps, step_s=7.0):
+    """A run artifact whose metrics hold a step-0 held-out evaluation and (train accuracy, held-out or None) per
+    step."""
+    path.mkdir(parents=True)
+    lines = [{"step": 0, "time_elapsed_s": 0.0, "heldout_accuracy": first, "heldout_ci95": [0.2, 0.4], "heldout_n": 100}]
+    for i, (train_acc, held) in enumerate(steps):
         m = {"step": i + 1, "accuracy": train_acc, "reward_mean": train_acc, "informative_fraction": 0.5,
-             "entropy": 0.5, "time_step_s": 7.0, "time_elapsed_s": 7.0 * (i + 1), "peak_rss_bytes": 2**30,
+             "entropy": 0.5, "time_step_s": step_s, "time_elapsed_s": step_s * (i + 1), "peak_rss_bytes": 2**30,
              "peak_mem_allocated_bytes": 2**31, "time_rollout_s": 4.0, "time_logprobs_s": 1.0,
              "time_backward_s": 1.5, "time_optimizer_s": 0.1}
         if held is not None:
@@ -144,7 +144,33 @@ def test_report_time_to_target_uses_heldout_accuracy(tmp_path):
                   "time_eval_s": 50.0}
         lines.append(m)
     (path / names.RUN_METRICS).write_text("".join(json.dumps(m) + "\n" for m in lines))
-    artifact.write_manifest(path, names.KIND_RUN, {"steps": 4}, [], "sha256:" + "1" * 64, {})
+    key = "sha256:" + hashlib.sha256(str(path).encode()).hexdigest()
+    artifact.write_manifest(path, names.KIND_RUN, {"steps": len(steps)}, [], key, {})
+    return path
+
+
+def test_report_summarizes_arms_over_seeds(tmp_path):
+    """Runs laid out as <arm>-s<seed>/run (examples/matrix) are summarized per arm: final held-out accuracy
+    mean ± sample sd with the per-seed values, and each seed's time to target (a miss stays a miss)."""
+    a0 = _heldout_run(tmp_path / "aqn-s0" / "run", 0.1, [(0.5, 0.7), (0.6, 0.8)])
+    a1 = _heldout_run(tmp_path / "aqn-s1" / "run", 0.1, [(0.5, 0.4), (0.6, 0.5)])
+    b0 = _heldout_run(tmp_path / "bf16-s0" / "run", 0.1, [(0.5, 0.9), (0.6, 0.95)], step_s=5.0)
+    r = report.report([a0, a1, b0], tmp_path / "rep", target_accuracy=0.6)
+    arms = {a["arm"]: a for a in json.loads(r.file(names.REPORT_JSON).read_text())["arms"]}
+    assert set(arms) == {"aqn", "bf16"} and arms["aqn"]["seeds"] == [0, 1]
+    assert arms["aqn"]["heldout_final"] == [0.8, 0.5]
+    assert arms["aqn"]["heldout_final_mean"] == pytest.approx(0.65)
+    assert arms["aqn"]["heldout_final_sd"] == pytest.approx(0.212132, rel=1e-5)
+    assert arms["aqn"]["time_to_target_s"] == [7.0, "not reached within budget"] and arms["aqn"]["reached"] == 1
+    assert arms["bf16"]["heldout_final_sd"] is None and arms["bf16"]["time_to_target_s"] == [5.0]
+    md = r.file(names.REPORT_MD).read_text()
+    assert "0.650 ± 0.212 (0.800, 0.500)" in md and "7 s, not reached within budget" in md
+
+
+def test_report_time_to_target_uses_heldout_accuracy(tmp_path):
+    """With held-out evaluations in the run, the target is judged on them (at the training time of their step,
+    evaluation time excluded), not on the accuracy of the training samples."""
+    path = _heldout_run(tmp_path / "run-h", 0.3, [(0.7, None), (0.8, 0.5), (0.8, None), (0.9, 0.62)])
     r = report.report([path], tmp_path / "rep", target_accuracy=0.6)
     (row,) = json.loads(r.file(names.REPORT_JSON).read_text())["runs"]
     assert row["time_to_target"] == {"step": 4, "time_s": 28.0, "metric": "heldout_accuracy"}

@@ -5,6 +5,8 @@ Markdown and JSON outputs."""
 from __future__ import annotations
 
 import json
+import re
+import statistics
 from pathlib import Path
 
 from . import artifact, names, stats, ui
@@ -164,6 +166,52 @@ def _run_markdown(rows: list[dict]) -> str:
     return "\n".join(out) + f"\n\n{note}\n\nCurves: `curves.png` ({', '.join(CURVES)} vs training time).\n"
 
 
+SEED_DIR = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
+
+
+def _arm_of(path: str) -> tuple[str, int] | None:
+    """(arm, seed) of a run laid out as ``<arm>-s<seed>/`` (or ``<arm>-s<seed>/run``), as examples/matrix does."""
+    for part in reversed(Path(path).parts[-2:]):
+        m = SEED_DIR.match(part)
+        if m:
+            return m["arm"], int(m["seed"])
+    return None
+
+
+def _arm_rows(run_rows: list[dict]) -> list[dict]:
+    """Runs of one arm over several seeds, summarized: final and best held-out accuracy (mean, sample std,
+    per seed) and the time to target of every seed (never averaged over seeds that did not reach it)."""
+    arms: dict[str, list[tuple[int, dict]]] = {}
+    for r in run_rows:
+        a = _arm_of(r["path"])
+        if a is not None and r["heldout"] is not None:
+            arms.setdefault(a[0], []).append((a[1], r))
+    out = []
+    for arm, runs in sorted(arms.items()):
+        runs.sort(key=lambda x: x[0])
+        finals = [r["heldout"]["final"] for _, r in runs]
+        mean = sum(finals) / len(finals)
+        sd = statistics.stdev(finals) if len(finals) > 1 else None
+        ttt = [r["time_to_target"] for _, r in runs]
+        out.append({"arm": arm, "seeds": [sd_ for sd_, _ in runs], "heldout_final": finals, "heldout_final_mean": mean,
+                    "heldout_final_sd": sd, "heldout_best": [r["heldout"]["best"] for _, r in runs],
+                    "time_to_target_s": [t["time_s"] if isinstance(t, dict) else t for t in ttt],
+                    "reached": sum(isinstance(t, dict) for t in ttt)})
+    return out
+
+
+def _arm_markdown(arms: list[dict]) -> str:
+    out = ["| arm | seeds | held-out final: mean ± sd (per seed) | best per seed | time to target per seed |",
+           "|---|---|---|---|---|"]
+    for a in arms:
+        sd = f" ± {a['heldout_final_sd']:.3f}" if a["heldout_final_sd"] is not None else ""
+        per = ", ".join(f"{x:.3f}" for x in a["heldout_final"])
+        best = ", ".join(f"{x:.3f}" for x in a["heldout_best"])
+        ttt = ", ".join(f"{t:.0f} s" if isinstance(t, float) else str(t) for t in a["time_to_target_s"])
+        out.append(f"| {a['arm']} | {len(a['seeds'])} | {a['heldout_final_mean']:.3f}{sd} ({per}) | {best} | {ttt} |")
+    return "\n".join(out) + "\n"
+
+
 def report(paths: list[str | Path], output: str | Path, force: bool = False,
            target_accuracy: float | None = None) -> artifact.Artifact:
     """Compare eval artifacts (the first is the baseline of the paired tests) and/or train runs (curves,
@@ -179,12 +227,15 @@ def report(paths: list[str | Path], output: str | Path, force: bool = False,
 
     def body(tmp: Path) -> dict:
         md = (_markdown(rows, paired) if rows else "") + ("\n" if rows and run_rows else "")
+        arms = _arm_rows(run_rows)
         if run_rows:
             md += _run_markdown(run_rows)
             _plot(run_rows, tmp / names.REPORT_CURVES)
+        if arms:
+            md += "\nArms over seeds (runs named `<arm>-s<seed>`):\n\n" + _arm_markdown(arms)
         (tmp / names.REPORT_MD).write_text(md)
-        (tmp / names.REPORT_JSON).write_text(json.dumps({"evals": rows, "paired": paired, "runs": run_rows},
-                                                        indent=1) + "\n")
+        (tmp / names.REPORT_JSON).write_text(json.dumps({"evals": rows, "paired": paired, "runs": run_rows,
+                                                         "arms": arms}, indent=1) + "\n")
         return {"evals": len(rows), "runs": len(run_rows)}
 
     art = artifact.run_stage(names.KIND_REPORT, output, {"baseline": str(arts[0].path),
