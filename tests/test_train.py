@@ -292,7 +292,7 @@ def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path):
                     group=4, max_new_tokens=6, lr=5e-3, save_every=2, sigma_stages=2, sigma_start=0.05,
                     sigma_end=0.05, progress=False,
                     overrides={{"dynamic_sampling": False, "lora_rank": 4, "lora_alpha": 8.0, "batch_prompts": 2,
-                               "num_iterations": 2}})
+                               "num_iterations": 2, "eval_every": 2, "eval_problems": 20}})
     '''))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
     single = subprocess.run([sys.executable, str(script), str(tmp_path / "single")], capture_output=True, text=True,
@@ -307,7 +307,13 @@ def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path):
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
     ms, md = _metrics(tmp_path / "single"), _metrics(tmp_path / "dp")
+    # held-out evaluations (20 problems in chunks of 8 rows, dealt to the ranks): the same as one process
+    assert [m["step"] for m in md if "heldout_accuracy" in m] == [0, 2]
     for x, y in zip(ms, md):
+        if "heldout_accuracy" in x:
+            assert x["heldout_accuracy"] == y["heldout_accuracy"] and x["heldout_n"] == y["heldout_n"] == 20
+        if "time_step_s" not in x:
+            continue
         for k in ("reward_mean", "accuracy", "informative_fraction", "groups_sampled", "response_length_mean"):
             assert x[k] == pytest.approx(y[k]), k
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-5)

@@ -477,12 +477,15 @@ class Trainer:
         _sync(self.device)
         t0 = time.perf_counter()
         n = len(self.heldout)
-        lo, hi = dist.rank * n // dist.world, (dist.rank + 1) * n // dist.world
         counts = {"n": 0, "correct": 0, "unparsable": 0, "truncated": 0}
         chunk = max(cfg.batch_prompts * cfg.group, 1)  # as many rows per engine call as a training rollout
         self.engine.set_noise(0.0, 0)
-        for c in range(lo, hi, chunk):
-            idx = list(range(c, min(c + chunk, hi)))
+        # global chunks dealt round-robin to the ranks, each sampled with its own seed: the same calls and the
+        # same accuracy whatever the number of ranks
+        for k, c in enumerate(range(0, n, chunk)):
+            if k % dist.world != dist.rank:
+                continue
+            idx = list(range(c, min(c + chunk, n)))
             with self.autocast(), torch.no_grad():
                 b = self.engine.generate([self.heldout_ids[i] for i in idx], 1, cfg.eval_sampling(),
                                          _derive_seed(cfg.seed, "heldout", c), self.eos, self.pad)
