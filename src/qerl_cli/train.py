@@ -774,7 +774,7 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
             dist.barrier()
         if over:
             stopped_by = "time_budget"
-            ui.info(f"train: time budget of {cfg.time_budget_s:.0f} s reached after step {s + 1} of {cfg.steps}")
+            ui.info(f"train: time budget of {cfg.time_budget_s:g} s reached after step {s + 1} of {cfg.steps}")
             break
     art = None
     if dist.main:
