@@ -204,3 +204,13 @@ def test_aqn_sigma_is_defined_on_the_unfolded_norm_scales(calib_dir, tiny_model_
             s = folds[f"model.layers.{i}.{t}"]
             torch.testing.assert_close((n[t] - c[t]) * s, r[t] - c[t], rtol=1e-4, atol=1e-6)
     assert eng.noise.space == "unfolded norm scales"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_calibrate_device_without_cuda_is_one_clear_error(tiny_model_dir, tmp_path):
+    r = run_cli("calibrate", str(tiny_model_dir), "--data", str(GSM8K_TRAIN), "--field", "question,answer",
+                "--samples", "2", "--seq-len", "16", "--device", "cuda", "-o", str(tmp_path / "c"))
+    assert r.returncode == 1 and "no CUDA device is available" in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr and not (tmp_path / "c").exists()
+    with pytest.raises(QerlError, match="must be 'cpu' or 'cuda'"):
+        calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), tmp_path / "d", device="tpu", progress=False)

@@ -260,6 +260,9 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     output = Path(output)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not (device.split(":")[0] == "cuda" and torch.cuda.is_available()):
+        raise QerlError(f"calibrate --device must be 'cpu' or 'cuda' on a machine with CUDA; got '{device}'"
+                        f"{'' if torch.cuda.is_available() else ' and no CUDA device is available'}.")
     cfg = config.load("calibrate", CalibrateConfig, config_file,
                       {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress,
                        "device": device})
