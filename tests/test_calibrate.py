@@ -204,6 +204,13 @@ def test_aqn_sigma_is_defined_on_the_unfolded_norm_scales(calib_dir, tiny_model_
             s = folds[f"model.layers.{i}.{t}"]
             torch.testing.assert_close((n[t] - c[t]) * s, r[t] - c[t], rtol=1e-4, atol=1e-6)
     assert eng.noise.space == "unfolded norm scales"
+    # the dequantized reference of the quant artifact (evaluate on a quant checkpoint) carries the factors too
+    from qerl_cli.pack import load_checkpoint
+    from qerl_cli.packed_model import load_dequantized_model
+
+    q = artifact.open_artifact(tmp_path / "quant", names.KIND_QUANT)
+    deq = load_dequantized_model(load_checkpoint(q), q.path)
+    assert set(deq.qerl_norm_folding) == {k for k in folds if k.endswith("layernorm")}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

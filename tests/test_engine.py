@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from qerl_cli import artifact, names, pack, packed_model, quantize, verify
 from qerl_cli.engine import Engine, LoRA, SamplingConfig
@@ -286,3 +287,41 @@ def test_cuda_elementwise_variants_equal_the_reference_ops():
     rq, rk = E._rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
     qk = E._rope1(torch.cat([q, k], 1).transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
     assert torch.equal(qk[:, :4], rq) and torch.equal(qk[:, 4:], rk)
+
+
+def test_cuda_norm_keeps_the_activation_dtype_under_an_fp32_autocast_policy(monkeypatch):
+    """CUDA autocast runs rms_norm in fp32 and returns fp32; the fused norm must hand the layer bf16 back (else
+    the whole residual stream and every packed matmul after it silently run in fp32)."""
+    from qerl_cli import engine as E
+
+    real = F.rms_norm
+    monkeypatch.setattr(E.F, "rms_norm", lambda x, shape, eps=None: real(x.float(), shape, eps=eps))
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    assert E._rms_norm_fused(x, w, 1e-5).dtype == torch.bfloat16
+    h, y = E._add_norm_fused(x, x, w, 1e-5)
+    assert h.dtype == y.dtype == torch.bfloat16
+
+
+def test_fused_projections_with_fp32_peft_factors_on_bf16_weights(packed_dir):
+    """peft keeps the LoRA factors in fp32; without autocast their term must come back to the activations'
+    dtype on the fused path as on peft's own (bf16 packed model on CPU)."""
+    from qerl_cli import lora as qlora
+
+    m = packed_model.load_packed_model(artifact.open_artifact(packed_dir / "packed", names.KIND_PACKED),
+                                       dtype=torch.bfloat16)
+    pm = qlora.wrap(m, 4, 8.0, ("q_proj", "v_proj", "up_proj"), 0)
+    with torch.no_grad():
+        for _, p in qlora.trainable(pm):
+            p.normal_(0, 0.1)
+    comp = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    mask = torch.ones_like(comp, dtype=torch.bool)
+    out = []
+    for fuse in (False, True):
+        eng = Engine(pm.get_base_model(), fuse=fuse)
+        with torch.no_grad():
+            out.append(eng.sequence_logprobs([PROMPTS[0], PROMPTS[1]], comp, mask, 1.0, PAD))
+        b = eng.generate([PROMPTS[0]], 2, SamplingConfig(temperature=0, max_new_tokens=4), 0, {EOS}, PAD)
+        assert b.completion_ids.shape[0] == 2
+    assert out[1].dtype == out[0].dtype
+    torch.testing.assert_close(out[1], out[0], rtol=0.05, atol=0.05)

@@ -72,6 +72,19 @@ def _deterministic(ms: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(train.NONDETERMINISTIC_METRICS)} for m in ms]
 
 
+def _resolved(tiny_pipeline) -> dict:
+    """A resolved TrainConfig as a dict (the shipped defaults with TINY's values)."""
+    from qerl_cli import config
+
+    return config.as_dict(config.load("train", train.TrainConfig, None, {k: v for k, v in TINY.items()}))
+
+
+def _with(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
 def _adapter(d) -> dict[str, torch.Tensor]:
     return load_file(str(d / names.ADAPTER_WEIGHTS))
 
@@ -154,6 +167,23 @@ def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):
     with pytest.raises(QerlError, match="eval_task"):
         train.train(tiny_pipeline["packed"], tmp_path / "x", **(TINY | {"task": str(tiny_pipeline["packed"])}),
                     overrides=ovr)
+
+
+def test_heldout_set_is_never_the_training_split(tiny_pipeline):
+    base = train.TrainConfig(**_resolved(tiny_pipeline))
+    arith = train.heldout_problems(_with(base, eval_task="arith:64"))
+    assert arith == tasks.arithmetic_problems(len(arith), 0, "heldout")
+    train_qs = {p.question for p in tasks.load_problems("arith:4096", 0)}
+    assert not {p.question for p in arith} & train_qs
+
+
+def test_resume_before_the_first_checkpoint_redoes_the_step0_evaluation(tiny_pipeline, tmp_path, reward):
+    ovr = OVR | {"eval_every": 2, "eval_problems": 4}
+    run = tmp_path / "run"
+    assert train.train(tiny_pipeline["packed"], run, stop_after=1, **TINY, overrides=ovr) is None
+    assert [m["step"] for m in _metrics(run)] == [0, 1]  # no checkpoint yet (save_every = 2)
+    train.train(tiny_pipeline["packed"], run, resume=True, **TINY, overrides=ovr)
+    assert [m["step"] for m in _metrics(run)] == [0, 1, 2, 3, 4]  # one step-0 line, not two
 
 
 def test_heldout_evaluation_policy(tiny_pipeline, tmp_path, reward, monkeypatch):
@@ -320,6 +350,35 @@ def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path):
     rc = json.loads((tmp_path / "dp" / names.RUN_CONFIG).read_text())
     assert rc["config"]["world_size"] == 2
     assert not (tmp_path / "dp" / names.MANIFEST).read_text().count("tmp-")
+
+
+def test_data_parallel_time_budget_stops_every_rank_at_the_same_step(tiny_pipeline, tmp_path):
+    """Rank 1 is slower; the budget is judged on the slowest clock, so both ranks finish at the same step
+    (deciding per rank would leave them in different collectives: a hang)."""
+    script = tmp_path / "dp_budget.py"
+    script.write_text(REWARD_PATCH + textwrap.dedent(f'''
+        import os, sys, time
+        from qerl_cli import rollout, train
+        rollout.score_batch = _fake_score
+        step = train.Trainer.step
+        def slow_step(self, s):
+            if os.environ.get("RANK") == "1":
+                time.sleep(0.6)
+            return step(self, s)
+        train.Trainer.step = slow_step
+        train.train({str(tiny_pipeline["packed"])!r}, sys.argv[1], task="arith:16", steps=6, prompts_per_step=4,
+                    group=2, max_new_tokens=4, lr=5e-3, save_every=6, progress=False,
+                    overrides={{"dynamic_sampling": False, "lora_rank": 4, "lora_alpha": 8.0, "batch_prompts": 2,
+                               "time_budget_s": 1.0}})
+    '''))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    dp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script),
+                         str(tmp_path / "dp")], capture_output=True, text=True, env=env, timeout=240)
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    art = artifact.open_artifact(tmp_path / "dp", names.KIND_RUN)
+    assert art.metrics["stopped_by"] == "time_budget" and 1 <= art.metrics["steps"] < 6
+    assert (tmp_path / "dp" / f"step-{art.metrics['steps']:08d}").is_dir()
 
 
 def test_cli_smollm2_quantize_pack_verify_train(tmp_path):

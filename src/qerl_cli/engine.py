@@ -117,7 +117,8 @@ def _rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def _rms_norm_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``_rms_norm`` through torch's fused RMSNorm on the input's own dtype (fp32 statistics inside, one
     rounding to the input dtype as before, no cast kernels)."""
-    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    # (under autocast rms_norm runs in fp32 and returns fp32: back to the input dtype, as _rms_norm rounds)
+    return w * F.rms_norm(x, (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _add_norm_fused(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float):
@@ -405,8 +406,9 @@ class Engine:
         if all(d is None for d in deltas):
             return y
         ref = next(d for d in deltas if d is not None)
+        # back to the base output's dtype, as peft does (fp32 LoRA factors on bf16 activations without autocast)
         return y + torch.cat([d if d is not None else ref.new_zeros(ref.shape[:-1] + (size,))
-                              for d, size in zip(deltas, f.sizes)], -1)
+                              for d, size in zip(deltas, f.sizes)], -1).to(y.dtype)
 
     def _group(self, i: int, key: str, modules: list, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         """Outputs of sibling linears on the same input: one fused matmul where the layer has one."""

@@ -150,6 +150,7 @@ def load_dequantized_model(tensors: dict[str, torch.Tensor], art_dir: Path, dtyp
                 mod.weight.copy_(w)
             skip.update({key, f"{name}.{names.CT_SCALE}", f"{name}.{names.CT_GLOBAL}"})
     _load_rest(model, {k: v for k, v in tensors.items()}, skip, dtype, art_dir)
+    attach_norm_folding(model, art_dir)
     return model.to(device)
 
 

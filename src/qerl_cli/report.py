@@ -207,7 +207,7 @@ def _arm_markdown(arms: list[dict]) -> str:
         sd = f" ± {a['heldout_final_sd']:.3f}" if a["heldout_final_sd"] is not None else ""
         per = ", ".join(f"{x:.3f}" for x in a["heldout_final"])
         best = ", ".join(f"{x:.3f}" for x in a["heldout_best"])
-        ttt = ", ".join(f"{t:.0f} s" if isinstance(t, float) else str(t) for t in a["time_to_target_s"])
+        ttt = ", ".join(f"{t:.0f} s" if isinstance(t, float) else (t or "-") for t in a["time_to_target_s"])
         out.append(f"| {a['arm']} | {len(a['seeds'])} | {a['heldout_final_mean']:.3f}{sd} ({per}) | {best} | {ttt} |")
     return "\n".join(out) + "\n"
 

@@ -360,11 +360,12 @@ def _write_manifest(out: Path, cfg_dict: dict, inputs: list[artifact.Input], key
 
 
 def heldout_problems(cfg: TrainConfig) -> list[tasks.Problem]:
-    """The held-out evaluation problems: ``eval_task``, or the arith generator's held-out split (seed 0, the
-    same set for every training seed, disjoint from every training split)."""
-    if cfg.eval_task:
-        probs = tasks.load_problems(cfg.eval_task, 0, cfg.eval_problems)
-    else:
+    """The held-out evaluation problems: ``eval_task`` (a file, or an HF dataset's test split), or the arith
+    generator's held-out split (seed 0, the same set for every training seed, disjoint from every training
+    split; also for an ``eval_task`` of ``arith[:N]``)."""
+    if cfg.eval_task and not cfg.eval_task.startswith("arith"):
+        probs = tasks.load_problems(cfg.eval_task, 0, cfg.eval_problems, split="test")  # HF specs: the test split
+    else:  # "arith[:N]" means its held-out split here, never training problems
         probs = tasks.arithmetic_problems(cfg.eval_problems, 0, "heldout")
     if not probs:
         raise QerlError(f"the held-out evaluation set {cfg.eval_task or 'arith (heldout)'} holds no problems.")
@@ -719,8 +720,9 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
             shutil.rmtree(p, ignore_errors=True)
         metrics_path = output / names.RUN_METRICS
         if state == "resume" and metrics_path.is_file():  # cut back to the last complete checkpoint
+            # (without one, nothing is kept: the step-0 evaluation is redone)
             lines = [ln for ln in metrics_path.read_text().splitlines() if ln.strip()
-                     and json.loads(ln)["step"] <= start]
+                     and json.loads(ln)["step"] <= start] if start else []
             tmp = output / f".{names.RUN_METRICS}.tmp-{os.getpid()}"
             tmp.write_text("".join(ln + "\n" for ln in lines))
             os.replace(tmp, metrics_path)
@@ -754,15 +756,21 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
     if cfg.eval_every and start == 0:
         emit({"step": 0, "time_elapsed_s": 0.0} | trainer.evaluate_heldout())
     t0 = time.perf_counter()
+
+    def spent(e: float) -> bool:  # decided on the slowest rank's clock, so every rank stops at the same step
+        return cfg.time_budget_s > 0 and dist.sums({"e": e}, "max")["e"] >= cfg.time_budget_s
+
     stopped_by, last = "steps", start
-    for s in range(start, cfg.steps):
+    if start and spent(elapsed):  # a budget run that stopped after its final checkpoint, before the manifest
+        stopped_by = "time_budget"
+    for s in range(start, cfg.steps if stopped_by == "steps" else start):
         if stop_after is not None and s - start >= stop_after:
             ui.info(f"train: stopped after step {s} (unfinished; continue with --resume)")
             return None
         m = trainer.step(s)
         elapsed += m["time_step_s"]
         m["time_elapsed_s"] = elapsed
-        over = cfg.time_budget_s > 0 and elapsed >= cfg.time_budget_s
+        over = spent(elapsed)
         final = over or s + 1 == cfg.steps
         if cfg.eval_every and ((s + 1) % cfg.eval_every == 0 or final):
             m |= trainer.evaluate_heldout()
