@@ -160,6 +160,7 @@ def test_arithmetic_heldout_split_is_disjoint_from_training():
     assert held_pairs and not train_pairs & held_pairs
     assert not {p.question for p in train} & {p.question for p in held}
     assert len(train_pairs) > 30 and len(held_pairs) > 5  # both splits cover many operand pairs
+    assert {d for pair in held_pairs for d in pair} == set(range(10))  # every digit is tested held out
     assert {p.question.split()[0] for p in held} >= {"What"}  # add/mul kinds present in held-out too
     with pytest.raises(QerlError, match="splits"):
         tasks.arithmetic_problems(5, 0, split="test")

@@ -143,7 +143,8 @@ def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):
     ms = _metrics(run)
     assert [m["step"] for m in ms] == [0, 1, 2, 3, 4]
     assert set(ms[0]) == {"step", "time_elapsed_s", "heldout_accuracy", "heldout_ci95", "heldout_n",
-                          "heldout_parse_failure_rate", "heldout_truncation_rate", "time_eval_s"}
+                          "heldout_distinct_questions", "heldout_parse_failure_rate", "heldout_truncation_rate",
+                          "time_eval_s"}
     assert [("heldout_accuracy" in m) for m in ms] == [True, False, True, False, True]
     assert all(m["heldout_n"] == 6 and 0 <= m["heldout_accuracy"] <= 1 for m in ms if "heldout_n" in m)
     assert ms[2]["heldout_ci95"][0] <= ms[2]["heldout_accuracy"] <= ms[2]["heldout_ci95"][1]

@@ -499,7 +499,9 @@ class Trainer:
         _sync(self.device)
         acc = c["correct"] / max(c["n"], 1)
         lo_ci, hi_ci = stats.wilson(c["correct"], int(c["n"]))
+        # problems repeat (one-digit arithmetic has few distinct questions): the CI treats them as independent
         return {"heldout_accuracy": acc, "heldout_ci95": [lo_ci, hi_ci], "heldout_n": int(c["n"]),
+                "heldout_distinct_questions": len({p.question for p in self.heldout}),
                 "heldout_parse_failure_rate": c["unparsable"] / max(c["n"], 1),
                 "heldout_truncation_rate": c["truncated"] / max(c["n"], 1),
                 "time_eval_s": time.perf_counter() - t0}
