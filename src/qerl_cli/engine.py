@@ -106,12 +106,12 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * h.to(dt)
 
 
-def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 def _rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return _rope1(q, cos, sin), _rope1(k, cos, sin)
 
 
 def _rms_norm_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -121,15 +121,14 @@ def _rms_norm_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     return w * F.rms_norm(x, (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _add_norm_fused(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float):
-    h = h + d
-    return h, _rms_norm_fused(h, w, eps)
+def _add_then(norm):
+    """Residual add, then ``norm`` of the sum: ``(h, d, w, eps) -> (new residual, normed)``."""
 
+    def add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float):
+        h = h + d
+        return h, norm(h, w, eps)
 
-def _add_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float):
-    """Residual add, then RMSNorm of the sum: (new residual, normed)."""
-    h = h + d
-    return h, _rms_norm(h, w, eps)
+    return add_norm
 
 
 def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -142,9 +141,9 @@ class _Ops:
 
     def __init__(self, compiled: bool, fused_norm: bool = False):
         wrap = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compiled else (lambda f: f)
-        norm, add_norm = (_rms_norm_fused, _add_norm_fused) if fused_norm else (_rms_norm, _add_norm)
+        norm = _rms_norm_fused if fused_norm else _rms_norm
         self.norm, self.rope, self.rope1, self.add_norm, self.silu_mul = (
-            wrap(f) for f in (norm, _rope, _rope1, add_norm, _silu_mul))
+            wrap(f) for f in (norm, _rope, _rope1, _add_then(norm), _silu_mul))
 
 
 _EAGER_OPS = _Ops(False)
