@@ -327,7 +327,7 @@ def _(qweight, global_scale, n, k, dtype):
     return qweight.new_empty(n, k, dtype=dtype)
 
 
-# autograd: d(x @ W^T)/dx = grad @ W; the packed weight and its scale are frozen (no gradient)
+# autograd: d(x @ W^T)/dx = grad @ W and d(g @ W)/dg = g' @ W^T; the packed weight and its scale are frozen
 def _linear_setup(ctx, inputs, output):
     _, qweight, global_scale, n, k = inputs
     ctx.save_for_backward(qweight, global_scale)
@@ -344,12 +344,6 @@ def _linear_backward(ctx, grad):
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-def _linear_t_setup(ctx, inputs, output):
-    _, qweight, global_scale, n, k = inputs
-    ctx.save_for_backward(qweight, global_scale)
-    ctx.n, ctx.k = n, k
-
-
 def _linear_t_backward(ctx, grad):
     qweight, global_scale = ctx.saved_tensors
     gg = torch.ops.qerl.linear(grad.contiguous(), qweight, global_scale, ctx.n, ctx.k) \
@@ -357,7 +351,7 @@ def _linear_t_backward(ctx, grad):
     return gg, None, None, None, None
 
 
-_linear_t_op.register_autograd(_linear_t_backward, setup_context=_linear_t_setup)
+_linear_t_op.register_autograd(_linear_t_backward, setup_context=_linear_setup)  # same saved state
 
 
 # --------------------------------------------------------------------------------------------- API
