@@ -3,10 +3,12 @@
 # GGUF travels in two halves, see ../shared/tools/carry-smollm2.sh). Everything it writes for us goes to $OUT.
 #   1  (carry .carry/p1)          kernel build, GPU tests (kernel, engine, train), 7B-shape rollout bench + profile
 #   2  (carry .carry/p2 .carry/whl) assemble the GGUF; calibrate -> quantize -> pack -> verify (the main job's
-#                                  front half); real-SmolLM2 rollout bench with greedy match; entropy-matched T
-#   3  [SEED]                      the five arms of examples/matrix side by side (6-minute budgets), report
+#                                  front half); entropy-matched T; [SMOL=1: real-SmolLM2 rollout bench]; then
+#                                  starts the matrix runs of SEEDS (default "0 1") in the background (setsid)
+#   3                              waits for those runs (all arms and seeds side by side, 6-minute budgets),
+#                                  then the report of the training runs
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
-#                                  over seeds); needs the runs of part 3 for each seed on the same warm machine
+#                                  over seeds); needs the runs of parts 2-3 on the same warm machine
 set -uo pipefail
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MAX_JOBS=16
 export TORCH_EXTENSIONS_DIR=/root/qerl-ext HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -16,7 +18,7 @@ GGUF=/root/smol/smol.gguf
 t0=$(date +%s)
 stamp() { echo "[gpu_session $1] +$(( $(date +%s) - t0 ))s: $2"; }
 
-case "${1:?part 1, 2 or 3}" in
+case "${1:?part 1, 2, 3 or 4}" in
 1)
   mkdir -p /root/smol && cp .carry/p1/part.aa /root/smol/ && stamp 1 "first half of the GGUF parked"
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -48,15 +50,25 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
      --temperatures 1.0,1.05,1.1,1.15,1.2,1.3 2>&1 | tail -3 | tee "$OUT/hot-temperature.log")
   t=$(tail -1 "$OUT/hot-temperature.log"); printf 'temperature = %s\n' "$t" > $M/hot.toml; cat $M/hot.toml
   stamp 2 "entropy-matched temperature"
-  timeout 200 python3 benchmarks/bench_rollout.py --smollm2 $GGUF --skip-7b --json "$OUT/rollout_smollm2_h200.json" \
-    2>&1 | tee "$OUT/bench_rollout_smollm2.log" | grep -v '^{'
-  stamp 2 "SmolLM2 rollout bench done"
+  if [ "${SMOL:-0}" = 1 ]; then
+    timeout 200 python3 benchmarks/bench_rollout.py --smollm2 $GGUF --skip-7b --json "$OUT/rollout_smollm2_h200.json" \
+      2>&1 | tee "$OUT/bench_rollout_smollm2.log" | grep -v '^{'
+    stamp 2 "SmolLM2 rollout bench done"
+  fi
+  # every arm of every seed side by side (equal budgets under equal sharing of the GPU); runs on after this
+  # call returns (own process session) and part 3 waits for it
+  rm -f $W/runs.rc
+  OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid bash -c "cd examples/matrix && make -k -j$(( 5 * $(echo ${SEEDS:-0 1} | wc -w) )) runs \
+    SEEDS='${SEEDS:-0 1}' OUT=$M MODEL=$GGUF QERL='$QERL' DATA=$PWD/tests/data/gsm8k/train.jsonl \
+    > $W/runs.log 2>&1; echo \$? > $W/runs.rc" < /dev/null > /dev/null 2>&1 &
+  stamp 2 "matrix runs of seeds ${SEEDS:-0 1} started"
   ;;
 3)
-  SEED=${2:-0}; M=$W/matrix; export OMP_NUM_THREADS=3
-  (cd examples/matrix && make -j5 runs SEEDS=$SEED OUT=$M MODEL=$GGUF QERL="$QERL" \
-     DATA=$PWD/../../tests/data/gsm8k/train.jsonl) 2>&1 | tail -30
-  stamp 3 "arms of seed $SEED trained"
+  M=$W/matrix
+  while [ ! -f $W/runs.rc ] && [ $(( $(date +%s) - t0 )) -lt ${WAIT_S:-540} ]; do sleep 10; done
+  tail -30 $W/runs.log
+  [ -f $W/runs.rc ] || { stamp 3 "runs still going; call part 3 again"; exit 3; }
+  stamp 3 "matrix runs finished, make exit $(cat $W/runs.rc)"
   $QERL report $M/*-s*/run --target-accuracy 0.6 -o $M/report-runs --force 2>&1 | tail -20
   tar czf "$OUT/matrix_runs.tgz" -C $M --exclude='step-*' --exclude=calib --exclude=quant --exclude=packed \
     --exclude=entropy $(cd $M && ls -d *-s* report-runs hot.toml verify 2>/dev/null)
@@ -64,8 +76,8 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
   stamp 3 "report written"
   ;;
 4)
-  SEEDS=${2:-0 1}; M=$W/matrix; export OMP_NUM_THREADS=3
-  (cd examples/matrix && make -j5 all SEEDS="$SEEDS" OUT=$M MODEL=$GGUF QERL="$QERL" \
+  SEEDS=${2:-0 1}; M=$W/matrix; export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  (cd examples/matrix && make -k -j$(( 5 * $(echo $SEEDS | wc -w) )) all SEEDS="$SEEDS" OUT=$M MODEL=$GGUF QERL="$QERL" \
      DATA=$PWD/../../tests/data/gsm8k/train.jsonl) 2>&1 | tail -40
   tar czf "$OUT/matrix_report.tgz" -C $M report $(cd $M && ls -d *-s*/eval 2>/dev/null)
   cp $M/report/curves.png "$OUT/curves_matrix.png" 2>/dev/null
