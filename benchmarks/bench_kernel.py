@@ -7,8 +7,9 @@ bandwidth, the ceiling for the "% of copy" column (weight bytes = 9/16 byte per 
 
     PYTHONPATH=src python benchmarks/bench_kernel.py [--json benchmarks/results/kernel_h200.json] [--variant v2]
 
-For M <= 16 it also times the small-M kernel variants side by side (columns ``alt`` and ``v2``, the opt-in
-stream-K kernel); ``--variant`` picks the one behind ``ours`` (default: the default kernel).
+For M <= 16 it also times every forced small-M kernel variant side by side (columns ``alt``, ``v2`` (the
+stream-K kernel) and ``dflt``); ``--variant`` picks the one behind ``ours`` (default: ``auto``, the per-shape
+choice that ``kernel.linear`` makes).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def main() -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--both-paths-from", type=int, default=32,
                     help="also time the mma kernel and dequantize+cuBLAS separately for M >= this (<= 1024)")
-    ap.add_argument("--variant", default="default", choices=sorted(kernel.VARIANTS),
+    ap.add_argument("--variant", default="auto", choices=sorted(kernel.VARIANTS),
                     help="small-M kernel variant used for the 'ours' column")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -162,7 +163,7 @@ def main() -> int:
                                                      cq * math.ceil(calls_target / cq))
                     row["dequant_cublas_us"] = 1e6 * time_graph(
                         lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
-                if m <= 16:  # the other small-M variants side by side: alternative configuration, opt-in v2
+                if m <= 16:  # every forced small-M variant side by side: alternative configuration, v2, default
                     for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0)):
                         if code == ours_code:
                             continue

@@ -336,8 +336,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// nvfp4_mma_v2_kernel: OPT-IN small-M (decode) variant, selected with set_variant(2) (Python:
-// kernel.set_variant("v2") or QERL_KERNEL_VARIANT=v2). Same tile records, same E2M1 / scale arithmetic (the A
+// nvfp4_mma_v2_kernel: small-M (decode) variant, chosen by auto_variant for large weights or forced with
+// set_variant(2) (Python: kernel.set_variant("v2") or QERL_KERNEL_VARIANT=v2). Same tile records, same E2M1 / scale arithmetic (the A
 // fragments are bit-identical to nvfp4_mma_kernel's), differences:
 //   * stream-K work split: the grid is the resident CTA count (or fewer for small problems); the RG * KT
 //     (row group, K tile) units are cut into P equal contiguous ranges, one per CTA, so every CTA streams the
@@ -712,7 +712,18 @@ namespace qerl {
 
 constexpr int kNumSMsDefault = 132;
 static int64_t g_large_m_threshold = 64;  // M above this: dequantize + cuBLAS
-static int g_variant = 0;
+static int g_variant = 3;  // 3: auto (per shape, below)
+
+// Variant 3 ("auto", the default) picks the small-M kernel per shape from the H200 measurements in
+// benchmarks/results/kernel_*_h200.json: the stream-K v2 kernel for large weights (>= kV2MinWeights, e.g. the
+// fused gate_up of 7B and larger; it streams with fewer instructions per tile but pays a fixed reduction cost
+// that small weights do not amortize), otherwise the alternative configuration for M <= 8 (shorter prefetch,
+// one more CTA per SM: faster on q/k/v, o and down at M = 2..8) and the default configuration above that.
+constexpr int64_t kV2MinWeights = 100000000;
+static int auto_variant(int64_t M, int64_t N, int64_t K) {
+  if (M <= 16 && N * K >= kV2MinWeights) return 2;
+  return M <= 8 ? 1 : 0;
+}
 
 struct SmallCfg {
   int tg, r, kch;
@@ -918,16 +929,17 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
   TORCH_CHECK(M <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
   const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
-  // variant 0 (default) / 1 (alternative) per M range, for tuning from Python via set_variant();
-  // variant 2: the opt-in stream-K kernel for M <= 16 (larger M as variant 0)
-  if (g_variant == 2 && M <= 16) {
+  // variant 0 (default) / 1 (alternative) per M range; variant 2: the stream-K kernel for M <= 16 (larger M as
+  // variant 0); variant 3 (auto): one of them per shape (auto_variant)
+  const int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
+  if (variant == 2 && M <= 16) {
     if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5>(xc, qw, gs, out, Mi, N, K, NT, KT);
     else launch_mma_v2<2, 1, 4, 8, 2, 4>(xc, qw, gs, out, Mi, N, K, NT, KT);
   } else if (M <= 8) {
-    if (g_variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, out, Mi, N, K, NT, KT);
     else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, out, Mi, N, K, NT, KT);
   } else if (M <= 16) {
-    if (g_variant == 1) launch_mma<2, 2, 4, 8, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    if (variant == 1) launch_mma<2, 2, 4, 8, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
     else launch_mma<2, 1, 8, 16, 2, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
   } else if (M <= 32) {
     launch_mma<4, 2, 4, 8, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
@@ -952,7 +964,8 @@ void linear_t_out(const at::Tensor& g, const at::Tensor& qw, const at::Tensor& g
 
 void set_large_m_threshold(int64_t m) { g_large_m_threshold = m; }
 void set_variant(int64_t v) {
-  TORCH_CHECK(v >= 0 && v <= 2, "qerl: variant must be 0 (default), 1 (alternative configuration) or 2 (v2)");
+  TORCH_CHECK(v >= 0 && v <= 3,
+              "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2) or 3 (auto, per shape)");
   g_variant = (int)v;
 }
 int64_t get_variant() { return g_variant; }
@@ -967,7 +980,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
   m.def("set_variant", &qerl::set_variant,
-        "small-M kernel: 0 default, 1 alternative mma configuration, 2 opt-in v2 (stream-K) for M <= 16");
+        "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 16, 3 auto (per shape)");
   m.def("get_variant", &qerl::get_variant);
 }
 #endif

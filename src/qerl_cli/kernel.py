@@ -21,10 +21,12 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 * larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
   ("cuda-dequant-cublas"); ``linear_t`` always takes this path.
 
-Small-M kernel variant (opt-in, default unchanged): ``set_variant("v2")`` or ``QERL_KERNEL_VARIANT=v2`` in the
-environment (read when the extension loads) runs M <= 16 through a stream-K kernel (equal work per CTA, fewer
-instructions per tile; same tile records, same op signatures); ``"default"`` is the original kernel,
-``"alt"`` its alternative tuning configuration.
+Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (the stream-K
+``"v2"`` kernel for weights of >= 1e8 entries at M <= 16, ``"alt"`` for smaller weights at M <= 8, ``"default"``
+otherwise; see ``auto_variant`` in the CUDA source). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in
+the environment (read when the extension loads) forces one: ``"default"`` is the original kernel, ``"alt"`` its
+alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
+tile) for M <= 16. All read the same tile records and have the same op signatures.
 
 If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
 :func:`layout.dequantize`) and one warning line says why. Split-K launches keep a small self-resetting
@@ -49,7 +51,7 @@ BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
 
-VARIANTS = {"default": 0, "alt": 1, "v2": 2}
+VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3}
 
 _DEFAULT_ARCH_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -62,7 +64,7 @@ _lock = threading.Lock()
 _ext = None
 _ext_error: str | None = None
 _ext_tried = False
-_variant = "default"
+_variant = "auto"
 _warned: set[str] = set()
 _state = threading.local()
 
@@ -121,7 +123,7 @@ def _apply_variant(ext) -> None:
     """Hand the chosen variant (``set_variant`` before the load, else ``QERL_KERNEL_VARIANT``) to the extension."""
     global _variant
     env = os.environ.get("QERL_KERNEL_VARIANT")
-    if env and _variant == "default":
+    if env and _variant == "auto":
         try:
             _variant = _variant_name(env)
         except ValueError as e:
@@ -137,7 +139,7 @@ def _variant_name(v: str) -> str:
 
 
 def variant() -> str:
-    """The small-M kernel variant in use: "default", "alt" or "v2"."""
+    """The small-M kernel variant in use: "auto" (per shape), "default", "alt" or "v2"."""
     ext = _load()
     if ext is None:
         return _variant
@@ -146,7 +148,7 @@ def variant() -> str:
 
 
 def set_variant(v: str) -> None:
-    """Select the small-M kernel variant ("default", "alt" or "v2"), process-wide.
+    """Select the small-M kernel variant ("auto", "default", "alt" or "v2"), process-wide.
 
     Without a CUDA extension this only records the choice (the torch reference ignores it). Overrides
     ``QERL_KERNEL_VARIANT``."""
