@@ -72,9 +72,10 @@ def time_engine(model, batch, p_len, new, vocab, graph=True, **engine_kw) -> dic
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     ps = prompts(batch, p_len, vocab)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
-    # warm-up on the measured shapes (a first call at a new batch size pays library plan selection: the
-    # previous warm-up on 4 rows left ~0.7 s of it inside the timed bf16 prefill)
-    eng.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=8), 0, set(), 0)
+    # warm-up on exactly the measured shapes, cache length included: a first call at a new shape pays library
+    # plan selection (cuDNN attention plans, cuBLAS heuristics); a warm-up with fewer new tokens (a shorter
+    # cache) left 0.67-0.83 s of it inside the timed bf16 prefill, the first engine of the process
+    eng.generate(ps, 1, cfg, 0, set(), 0)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

@@ -418,10 +418,12 @@ class Engine:
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, key_mask: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, write_at: torch.Tensor | None = None,
-                rows: slice | None = None, hidden_only: bool = False) -> torch.Tensor:
+                rows: slice | None = None, hidden_only: bool = False, attend: int | None = None) -> torch.Tensor:
         """Logits ``[B, T, V]`` for tokens ``ids [B, T]`` at positions ``pos``. Without a cache, attention is
         causal over ``ids`` with ``key_mask [B, T]``; with a cache, K/V are written at ``write_at`` (T slots
-        from there) and queries attend to every cache slot allowed by ``key_mask [B, S]`` and causality."""
+        from there) and queries attend to every cache slot allowed by ``key_mask [B, S]`` and causality.
+        ``attend`` (with a cache): only the first ``attend`` slots can be attended to (the prefill, whose
+        queries never see later slots): attention is computed over those alone, not the whole cache."""
         b, t = ids.shape
         h = self.embed(ids)
         cos, sin = self.rotary(h, pos)  # [B, T, head_dim]
@@ -429,7 +431,8 @@ class Engine:
         if cache is None:
             s_len, base = t, torch.zeros((), dtype=torch.long, device=ids.device)
         else:
-            s_len, base = cache[0][0].shape[2], write_at
+            s_len, base = cache[0][0].shape[2] if attend is None else attend, write_at
+            key_mask = key_mask[:, :s_len]
         slots = torch.arange(s_len, device=ids.device)
         qpos = base + torch.arange(t, device=ids.device)
         causal = slots[None, :] <= qpos[:, None]
@@ -480,7 +483,8 @@ class Engine:
             kc, vc = cache[i]
             kc.index_copy_(2, slots, k.to(kc.dtype))  # slots: this call's T cache slots (one per forward)
             vc.index_copy_(2, slots, v.to(vc.dtype))
-            k, v = kc, vc
+            n = mask.shape[-1]  # the slots this forward can attend to (fewer than the cache in a prefill)
+            k, v = (kc, vc) if n == kc.shape[2] else (kc[:, :, :n], vc[:, :, :n])
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         h, x = ops.add_norm(h, self._linear(attn.o_proj, pre + "self_attn.o_proj", o), w_post, self.eps)
@@ -578,7 +582,10 @@ class Engine:
         t0 = time.perf_counter()
         cache = self._new_cache(b, slots)
         rows = slice(0, None, g) if (self._noisy is not None and self.noise.scope == "group") else None
-        logits = self.forward(ids, pos, key_mask, cache, torch.zeros((), dtype=torch.long, device=dev), rows)[:, -1]
+        # the prompt's last position alone goes through lm_head; attention covers the prompt's slots only
+        h_last = self.forward(ids, pos, key_mask, cache, torch.zeros((), dtype=torch.long, device=dev), rows,
+                              hidden_only=True, attend=p_len)[:, -1]
+        logits = self.lm_head(h_last)
         cache = [(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)) for k, v in cache]
         key_mask = key_mask.repeat_interleave(g, 0)
         logits = logits.float().repeat_interleave(g, 0)
