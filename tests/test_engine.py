@@ -51,6 +51,18 @@ def test_greedy_matches_hf_generate(model):
     assert len(set(out.completion_ids[0].tolist())) > 3  # not a degenerate repeat: the test has teeth
 
 
+def test_early_eos_trims_the_batch_to_its_last_live_token(model):
+    """Every row ends on its first token: the batch is one token wide although the loop checks for the end
+    only every few steps, and nothing after eos is kept."""
+    eng = Engine(model)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=20)
+    first = eng.generate(PROMPTS, 1, greedy, 0, set(), PAD).completion_ids[:, 0]
+    out = eng.generate(PROMPTS, 1, greedy, 0, set(first.tolist()), PAD)
+    assert out.completion_ids.shape == (len(PROMPTS), 1) and out.completion_mask.all()
+    assert torch.equal(out.completion_ids[:, 0], first)
+    assert out.finish_reason == ["eos"] * len(PROMPTS) and out.timings["decode_steps"] == 1
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_equal_teacher_forced(model, temperature):
     eng = Engine(model)
