@@ -621,8 +621,7 @@ class Engine:
             next_pos = next_pos + 1
         sync()
         t2 = time.perf_counter()
-        live_cols = mask[:, :steps].any(0).nonzero()
-        steps = int(live_cols[-1]) + 1 if len(live_cols) else 0
+        steps = int(mask[:, :steps].any(0).nonzero()[-1]) + 1  # every row is live at step 0
         ended = (mask & torch.isin(out, eos)).any(1).cpu()
         gen_tokens = int(mask.sum())
         return RolloutBatch(
