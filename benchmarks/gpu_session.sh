@@ -3,12 +3,14 @@
 # GGUF travels in two halves, see ../shared/tools/carry-smollm2.sh). Everything it writes for us goes to $OUT.
 #   1  (carry .carry/p1)          kernel build, GPU tests (kernel, engine, train), 7B-shape rollout bench + profile
 #   2  (carry .carry/p2 .carry/whl) assemble the GGUF; calibrate -> quantize -> pack -> verify (the main job's
-#                                  front half); entropy-matched T; [SMOL=1: real-SmolLM2 rollout bench]; then
-#                                  starts the matrix runs of SEEDS (default "0 1") in the background (setsid)
+#                                  front half); entropy-matched T; then starts the matrix runs of SEEDS
+#                                  (default "0 1") in the background (setsid): call part 3 at once (a machine
+#                                  left idle for 30 s is handed back, the runs with it)
 #   3                              waits for those runs (all arms and seeds side by side, 6-minute budgets),
 #                                  then the report of the training runs
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
-#                                  over seeds); needs the runs of parts 2-3 on the same warm machine
+#                                  over seeds); needs the runs of parts 2-3 on the same warm machine; then the
+#                                  real-SmolLM2 rollout bench
 set -uo pipefail
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MAX_JOBS=16
 export TORCH_EXTENSIONS_DIR=/root/qerl-ext HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -50,11 +52,6 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
      --temperatures 1.0,1.05,1.1,1.15,1.2,1.3 2>&1 | tail -3 | tee "$OUT/hot-temperature.log")
   t=$(tail -1 "$OUT/hot-temperature.log"); printf 'temperature = %s\n' "$t" > $M/hot.toml; cat $M/hot.toml
   stamp 2 "entropy-matched temperature"
-  if [ "${SMOL:-0}" = 1 ]; then
-    timeout 200 python3 benchmarks/bench_rollout.py --smollm2 $GGUF --skip-7b --json "$OUT/rollout_smollm2_h200.json" \
-      2>&1 | tee "$OUT/bench_rollout_smollm2.log" | grep -v '^{'
-    stamp 2 "SmolLM2 rollout bench done"
-  fi
   # every arm of every seed side by side (equal budgets under equal sharing of the GPU); runs on after this
   # call returns (own process session) and part 3 waits for it
   rm -f $W/runs.rc
@@ -82,5 +79,9 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
   tar czf "$OUT/matrix_report.tgz" -C $M report $(cd $M && ls -d *-s*/eval 2>/dev/null)
   cp $M/report/curves.png "$OUT/curves_matrix.png" 2>/dev/null
   stamp 4 "matrix evals and report written"
+  # the GPU is free again: the real-SmolLM2 rollout bench (our engine NVFP4 / bf16 vs HF generate, greedy match)
+  timeout 240 python3 benchmarks/bench_rollout.py --smollm2 $GGUF --skip-7b --json "$OUT/rollout_smollm2_h200.json" \
+    2>&1 | tee "$OUT/bench_rollout_smollm2.log" | grep -v '^{'
+  stamp 4 "SmolLM2 rollout bench done"
   ;;
 esac
