@@ -292,8 +292,9 @@ def test_cuda_elementwise_variants_equal_the_reference_ops():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
-    a, b = E._rms_norm(x, w, 1e-5).float(), E._rms_norm_fused(x, w, 1e-5).float()
-    assert float((a - b).abs().max()) <= 2 ** -7 * float(a.abs().max())  # at most bf16 rounding apart
+    for wt in (w, w * (1 + 0.01 * torch.randn(3, 1, 64, generator=g)).to(torch.bfloat16)):  # shared; per row
+        a, b = E._rms_norm(x, wt, 1e-5).float(), E._rms_norm_fused(x, wt, 1e-5).float()
+        assert float((a - b).abs().max()) <= 2 ** -7 * float(a.abs().max())  # at most bf16 rounding apart
     q, k = torch.randn(3, 4, 5, 16, generator=g), torch.randn(3, 2, 5, 16, generator=g)
     cos, sin = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)
     rq, rk = E._rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
@@ -307,7 +308,8 @@ def test_cuda_norm_keeps_the_activation_dtype_under_an_fp32_autocast_policy(monk
     from qerl_cli import engine as E
 
     real = F.rms_norm
-    monkeypatch.setattr(E.F, "rms_norm", lambda x, shape, eps=None: real(x.float(), shape, eps=eps))
+    monkeypatch.setattr(E.F, "rms_norm", lambda x, shape, weight=None, eps=None:
+                        real(x.float(), shape, None if weight is None else weight.float(), eps=eps))
     x = torch.randn(2, 3, 64).to(torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
     assert E._rms_norm_fused(x, w, 1e-5).dtype == torch.bfloat16

@@ -115,9 +115,13 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def _rms_norm_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``_rms_norm`` through torch's fused RMSNorm on the input's own dtype (fp32 statistics inside, one
-    rounding to the input dtype as before, no cast kernels)."""
+    """``_rms_norm`` through torch's fused RMSNorm on the input's own dtype (fp32 statistics inside, no cast
+    kernels). A plain weight vector of the input's dtype is applied inside the same kernel (one rounding
+    instead of ``_rms_norm``'s two, at most one unit in the last place apart); per-row (noisy) weights are
+    applied after it."""
     # (under autocast rms_norm runs in fp32 and returns fp32: back to the input dtype, as _rms_norm rounds)
+    if w.dim() == 1 and w.dtype == x.dtype:
+        return F.rms_norm(x, (x.shape[-1],), w, eps=eps).to(x.dtype)
     return w * F.rms_norm(x, (x.shape[-1],), eps=eps).to(x.dtype)
 
 
