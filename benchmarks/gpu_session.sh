@@ -62,6 +62,8 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
   ;;
 3)
   M=$W/matrix
+  # a fresh machine (the last one was handed back) has no runs to wait for: say so at once, spend nothing
+  [ -f $W/runs.log ] || { stamp 3 "no matrix runs on this machine (handed back since part 2?): run parts 1 and 2 again"; exit 4; }
   while [ ! -f $W/runs.rc ] && [ $(( $(date +%s) - t0 )) -lt ${WAIT_S:-540} ]; do sleep 10; done
   tail -30 $W/runs.log
   [ -f $W/runs.rc ] || { stamp 3 "runs still going; call part 3 again"; exit 3; }
@@ -73,6 +75,7 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
   stamp 3 "report written"
   ;;
 4)
+  [ -f $W/runs.rc ] || { stamp 4 "no finished matrix runs on this machine: parts 2 and 3 first"; exit 4; }
   SEEDS=${2:-0 1}; M=$W/matrix; export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   (cd examples/matrix && make -k -j$(( 5 * $(echo $SEEDS | wc -w) )) all SEEDS="$SEEDS" OUT=$M MODEL=$GGUF QERL="$QERL" \
      DATA=$PWD/../../tests/data/gsm8k/train.jsonl) 2>&1 | tail -40
