@@ -180,3 +180,59 @@ def test_report_time_to_target_uses_heldout_accuracy(tmp_path):
     assert row["mean_phase_time_s"]["rollout"] == 4.0
     md = r.file(names.REPORT_MD).read_text()
     assert "0.300 → 0.620" in md and "step 4, 28 s" in md
+
+
+def test_accuracy_ci_binary_is_wilson_and_mean_at_k_is_not_overconfident():
+    """One sample per example: the Wilson interval over examples. k samples per example: the interval comes
+    from the examples, not from n*k samples treated as independent. With perfectly correlated samples (each
+    example all right or all wrong) it must be about as wide as Wilson over n examples, twice the naive one."""
+    binary = [True] * 30 + [False] * 10
+    (lo, hi), method = stats.accuracy_ci(binary)
+    assert (lo, hi) == stats.wilson(30, 40) and method.startswith("Wilson")
+    scores = [1.0] * 128 + [0.0] * 128  # k = 4, every example 4/4 or 0/4
+    (lo, hi), method = stats.accuracy_ci(scores)
+    wl, wh = stats.wilson(128, 256)
+    nl, nh = stats.wilson(512, 1024)
+    assert "bootstrap" in method and lo < 0.5 < hi
+    assert (hi - lo) == pytest.approx(wh - wl, rel=0.1) and (hi - lo) > 1.7 * (nh - nl)
+    assert stats.accuracy_ci([0.75] * 50)[0] == (0.75, 0.75)  # no spread between examples
+
+
+def _fake_eval(path, scores, k=4):
+    """An eval artifact with given per-example scores (mean@k floats, or bools for k = 1)."""
+    path.mkdir(parents=True)
+    (path / names.EVAL_EXAMPLES).write_text("".join(json.dumps({"index": i, "correct": s}) + "\n"
+                                                    for i, s in enumerate(scores)))
+    acc = sum(map(float, scores)) / len(scores)
+    (path / names.EVAL_SUMMARY).write_text(json.dumps({
+        "dataset": "arith:4", "dataset_id": "sha256:arith4", "examples": len(scores), "samples_per_example": k,
+        "accuracy": acc, "accuracy_ci95": [acc - 0.001, acc + 0.001], "generated_tokens": 10,
+        "policy": {"weights": "bfloat16", "temperature": 1.0, "aqn": {"sigma": 0.0}}}))
+    key = "sha256:" + hashlib.sha256(str(path).encode()).hexdigest()
+    artifact.write_manifest(path, names.KIND_EVAL, {}, [], key, {})
+    return path
+
+
+def test_report_mean_at_k_pairs_and_arms_over_seeds(tmp_path):
+    """mean@k evals: no McNemar (no single right/wrong per example; said so, not a 0/0 'nan'), the interval is
+    recomputed from the examples whatever the summary says, and evals laid out <arm>-s<seed>/eval are pooled
+    per arm (each example averaged over seeds) and compared to the first arm with a paired bootstrap."""
+    b0 = _fake_eval(tmp_path / "bf16-s0" / "eval", [1.0, 1.0, 0.5, 0.0])
+    b1 = _fake_eval(tmp_path / "bf16-s1" / "eval", [1.0, 0.5, 0.5, 0.0])
+    q0 = _fake_eval(tmp_path / "nvfp4-s0" / "eval", [0.5, 0.5, 0.0, 0.0])
+    q1 = _fake_eval(tmp_path / "nvfp4-s1" / "eval", [0.5, 0.0, 0.0, 0.0])
+    r = report.report([b0, b1, q0, q1], tmp_path / "rep")
+    data = json.loads(r.file(names.REPORT_JSON).read_text())
+    assert all("mcnemar_exact_p" not in p for p in data["paired"])
+    assert data["evals"][0]["ci95"] != [0.624, 0.626] and "bootstrap" in data["evals"][0]["ci_method"]
+    arms = {a["arm"]: a for a in data["arm_evals"]}
+    assert arms["bf16"]["accuracy"] == pytest.approx(0.5625) and arms["bf16"]["per_seed"] == [0.625, 0.5]
+    assert arms["nvfp4"]["vs"] == "bf16" and arms["nvfp4"]["seeds"] == [0, 1]
+    assert arms["nvfp4"]["paired_bootstrap"]["mean_diff"] == pytest.approx(0.1875 - 0.5625)
+    md = r.file(names.REPORT_MD).read_text()
+    assert "n/a (mean@k)" in md and "| nvfp4 | 0, 1 | 4 | 0.1875 |" in md and "nan" not in md
+    # one sample per example: McNemar is there
+    x = _fake_eval(tmp_path / "x" / "eval", [True, True, False, False], k=1)
+    y = _fake_eval(tmp_path / "y" / "eval", [False, True, False, True], k=1)
+    (p,) = json.loads(report.report([x, y], tmp_path / "rep2").file(names.REPORT_JSON).read_text())["paired"]
+    assert (p["baseline_only_correct"], p["other_only_correct"], p["mcnemar_exact_p"]) == (1, 1, 1.0)

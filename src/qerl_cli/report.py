@@ -27,11 +27,15 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict]]:
             ex[e["index"]] = e
         examples.append(ex)
     rows = []
-    for a, s in zip(arts, summaries):
+    for a, s, ex in zip(arts, summaries, examples):
         p = s["policy"]
+        # the interval is recomputed from the per-example scores, so every row uses the same method (artifacts
+        # written before 0.4 put a Wilson interval over all n*k samples in the summary, too narrow for k > 1)
+        ci, ci_method = stats.accuracy_ci([e["correct"] for e in ex.values()])
         rows.append({"path": str(a.path), "weights": p.get("weights"), "adapter": (p.get("adapter_digest") or "none")[:12],
                      "temperature": p.get("temperature"), "aqn_sigma": p.get("aqn", {}).get("sigma"),
-                     "examples": s["examples"], "accuracy": s["accuracy"], "ci95": s["accuracy_ci95"],
+                     "samples_per_example": s.get("samples_per_example", 1),
+                     "examples": s["examples"], "accuracy": s["accuracy"], "ci95": list(ci), "ci_method": ci_method,
                      "generated_tokens": s["generated_tokens"], "wall_s": a.metrics.get("wall_s"),
                      "peak_rss_bytes": a.metrics.get("peak_rss_bytes"),
                      "peak_cuda_bytes": a.metrics.get("peak_cuda_allocated") or a.metrics.get("peak_cuda_bytes")})
@@ -41,32 +45,82 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict]]:
         shared = sorted(set(base) & set(ex))
         x = [float(base[i]["correct"]) for i in shared]
         y = [float(ex[i]["correct"]) for i in shared]
-        b = sum(1 for i in shared if base[i]["correct"] is True and ex[i]["correct"] is False)
-        c = sum(1 for i in shared if base[i]["correct"] is False and ex[i]["correct"] is True)
-        entry = {"baseline": str(arts[0].path), "other": str(a.path), "shared_examples": len(shared),
-                 "baseline_only_correct": b, "other_only_correct": c}
-        if all(isinstance(base[i]["correct"], bool) for i in shared):
-            entry["mcnemar_exact_p"] = stats.mcnemar_exact(b, c)
+        entry = {"baseline": str(arts[0].path), "other": str(a.path), "shared_examples": len(shared)}
+        # McNemar needs one right/wrong outcome per example; mean@k scores (k > 1) get the paired bootstrap only
+        if all(isinstance(base[i]["correct"], bool) and isinstance(ex[i]["correct"], bool) for i in shared):
+            b = sum(1 for i in shared if base[i]["correct"] and not ex[i]["correct"])
+            c = sum(1 for i in shared if not base[i]["correct"] and ex[i]["correct"])
+            entry.update(baseline_only_correct=b, other_only_correct=c, mcnemar_exact_p=stats.mcnemar_exact(b, c))
         entry["paired_bootstrap"] = stats.paired_bootstrap(x, y) if shared else None
         paired.append(entry)
-    return rows, paired
+    return rows, paired, examples
 
 
-def _markdown(rows: list[dict], paired: list[dict]) -> str:
-    out = ["| eval | weights | adapter | T | AQN σ | n | accuracy | 95% CI | tokens | wall s | peak RSS GiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+def _arm_evals(arts: list[artifact.Artifact], examples: list[dict]) -> list[dict]:
+    """Eval artifacts of arms over seeds (laid out ``<arm>-s<seed>/eval``, as examples/matrix does): per arm,
+    each example's score averaged over the arm's seeds, then a paired bootstrap over the shared examples against
+    the first arm. It measures the evaluation's sampling noise on shared problems; the spread between training
+    seeds is the separate per-seed column."""
+    arms: dict[str, list[tuple[int, dict]]] = {}
+    for a, ex in zip(arts, examples):
+        key = _arm_of(str(a.path))
+        if key is not None:
+            arms.setdefault(key[0], []).append((key[1], ex))
+    if len(arms) < 2:
+        return []
+    pooled = {}
+    for arm, seeds in arms.items():
+        shared = set.intersection(*(set(ex) for _, ex in seeds))
+        pooled[arm] = ({i: sum(float(ex[i]["correct"]) for _, ex in seeds) / len(seeds) for i in shared},
+                       sorted(s for s, _ in seeds))
+    order = list(dict.fromkeys(_arm_of(str(a.path))[0] for a in arts if _arm_of(str(a.path))))
+    base_arm = order[0]
+    out = []
+    for arm in order:
+        scores, seeds = pooled[arm]
+        row = {"arm": arm, "seeds": seeds, "examples": len(scores),
+               "accuracy": sum(scores.values()) / len(scores) if scores else float("nan"),
+               "per_seed": [sum(float(v["correct"]) for v in ex.values()) / len(ex) for _, ex in
+                            sorted(arms[arm], key=lambda t: t[0])]}
+        if arm != base_arm:
+            shared = sorted(set(scores) & set(pooled[base_arm][0]))
+            row["vs"] = base_arm
+            row["paired_bootstrap"] = stats.paired_bootstrap([pooled[base_arm][0][i] for i in shared],
+                                                             [scores[i] for i in shared]) if shared else None
+        out.append(row)
+    return out
+
+
+def _markdown(rows: list[dict], paired: list[dict], arm_evals: list[dict]) -> str:
+    out = ["| eval | weights | adapter | T | AQN σ | n | k | accuracy | 95% CI | tokens | wall s | peak RSS GiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['path']} | {r['weights']} | {r['adapter']} | {r['temperature']} | {r['aqn_sigma']} | "
-                   f"{r['examples']} | {r['accuracy']:.4f} | [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | "
+                   f"{r['examples']} | {r['samples_per_example']} | {r['accuracy']:.4f} | "
+                   f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | "
                    f"{r['generated_tokens']} | {r['wall_s'] or 0:.1f} | {(r['peak_rss_bytes'] or 0) / 2**30:.2f} |")
+    methods = sorted({r["ci_method"] for r in rows})
+    out += ["", "Intervals: " + "; ".join(methods) + "."]
     if paired:
         out += ["", "| vs baseline | shared | only baseline right | only other right | McNemar p | mean diff [95% CI] |",
                 "|---|---|---|---|---|---|"]
+        dash = "n/a (mean@k)"
         for p in paired:
             bs = p["paired_bootstrap"]
-            out.append(f"| {p['other']} | {p['shared_examples']} | {p['baseline_only_correct']} | "
-                       f"{p['other_only_correct']} | {p.get('mcnemar_exact_p', float('nan')):.4g} | "
+            mc = f"{p['mcnemar_exact_p']:.4g}" if "mcnemar_exact_p" in p else dash
+            out.append(f"| {p['other']} | {p['shared_examples']} | {p.get('baseline_only_correct', dash)} | "
+                       f"{p.get('other_only_correct', dash)} | {mc} | "
                        f"{bs['mean_diff']:+.4f} [{bs['ci95'][0]:+.3f}, {bs['ci95'][1]:+.3f}] |")
+    if arm_evals:
+        out += ["", "Final adapters by arm (each example's score averaged over the arm's seeds; paired bootstrap over "
+                "the shared examples against the first arm — evaluation noise only, the per-seed column shows the "
+                "spread between training seeds):", "",
+                "| arm | seeds | examples | accuracy | per seed | vs | mean diff [95% CI] |", "|---|---|---|---|---|---|---|"]
+        for a in arm_evals:
+            bs = a.get("paired_bootstrap")
+            diff = f"{bs['mean_diff']:+.4f} [{bs['ci95'][0]:+.3f}, {bs['ci95'][1]:+.3f}]" if bs else "-"
+            out.append(f"| {a['arm']} | {', '.join(map(str, a['seeds']))} | {a['examples']} | {a['accuracy']:.4f} | "
+                       f"{', '.join(f'{x:.4f}' for x in a['per_seed'])} | {a.get('vs', '-')} | {diff} |")
     return "\n".join(out) + "\n"
 
 
@@ -222,11 +276,12 @@ def report(paths: list[str | Path], output: str | Path, force: bool = False,
     arts = [artifact.open_artifact(p, (names.KIND_EVAL, names.KIND_RUN)) for p in paths]
     evals = [a for a in arts if a.kind == names.KIND_EVAL]
     runs = [a for a in arts if a.kind == names.KIND_RUN]
-    rows, paired = _eval_rows(evals) if evals else ([], [])
+    rows, paired, examples = _eval_rows(evals) if evals else ([], [], [])
+    arm_evals = _arm_evals(evals, examples) if evals else []
     run_rows = _run_rows(runs, target_accuracy) if runs else []
 
     def body(tmp: Path) -> dict:
-        md = (_markdown(rows, paired) if rows else "") + ("\n" if rows and run_rows else "")
+        md = (_markdown(rows, paired, arm_evals) if rows else "") + ("\n" if rows and run_rows else "")
         arms = _arm_rows(run_rows)
         if run_rows:
             md += _run_markdown(run_rows)
@@ -234,8 +289,8 @@ def report(paths: list[str | Path], output: str | Path, force: bool = False,
         if arms:
             md += "\nArms over seeds (runs named `<arm>-s<seed>`):\n\n" + _arm_markdown(arms)
         (tmp / names.REPORT_MD).write_text(md)
-        (tmp / names.REPORT_JSON).write_text(json.dumps({"evals": rows, "paired": paired, "runs": run_rows,
-                                                         "arms": arms}, indent=1) + "\n")
+        (tmp / names.REPORT_JSON).write_text(json.dumps({"evals": rows, "paired": paired, "arm_evals": arm_evals,
+                                                         "runs": run_rows, "arms": arms}, indent=1) + "\n")
         return {"evals": len(rows), "runs": len(run_rows)}
 
     art = artifact.run_stage(names.KIND_REPORT, output, {"baseline": str(arts[0].path),

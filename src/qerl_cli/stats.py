@@ -38,6 +38,23 @@ def paired_bootstrap(a: list[float], b: list[float], iters: int = 2000, seed: in
     return {"mean_diff": sum(diffs) / n, "ci95": [means[int(0.025 * iters)], means[int(0.975 * iters) - 1]]}
 
 
+def accuracy_ci(per_example: list[float], iters: int = 4000, seed: int = 0) -> tuple[tuple[float, float], str]:
+    """95% interval of an accuracy from per-example scores, and the method used. Binary scores (one sample per
+    example): Wilson. Fractional scores (mean@k, k samples per example): a percentile bootstrap over examples,
+    because the k samples of one example are correlated and a Wilson interval over all n*k samples would be
+    too narrow."""
+    n = len(per_example)
+    if n == 0:
+        return (0.0, 1.0), "none (no examples)"
+    if all(isinstance(x, bool) for x in per_example):
+        return wilson(sum(per_example), n), "Wilson score, 95%, over examples"
+    rng = random.Random(seed)
+    vals = [float(x) for x in per_example]
+    means = sorted(sum(vals[rng.randrange(n)] for _ in range(n)) / n for _ in range(iters))
+    return (means[int(0.025 * iters)], means[int(0.975 * iters) - 1]), \
+        "percentile bootstrap over examples of the per-example mean@k, 95%"
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
     if n - c < k:
