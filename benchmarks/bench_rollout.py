@@ -167,7 +167,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the 7B-shape NVFP4 decode step at batch 8")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
-    rows, result = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    from qerl_cli import fused
+
+    rows, result = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "fused_elementwise_kernels": fused.available(), "fused_build_error": fused.build_error()}
 
     def save():  # after every measurement, so a run cut short still leaves its numbers
         result["runs"] = rows
@@ -205,6 +208,9 @@ def main() -> None:
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16", "batch": batch,
                          **time_engine(big, batch, 256, 512, 152064)})
             save()
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16 no-kernels", "batch": 8,
+                     **time_engine(big, 8, 256, 512, 152064, kernels=False)})
+        save()
         big = pack_model_inplace(big)
         gc.collect()
         torch.cuda.empty_cache()
@@ -219,8 +225,10 @@ def main() -> None:
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
                          **time_engine(big, batch, 256, 512, 152064)})
             save()
-        # ablations of the decode step: separate q/k/v and gate/up launches; compiled elementwise ops
-        for name, kw in (("ours-nvfp4 unfused", {"fuse": False}), ("ours-nvfp4 +compile", {"compile_elementwise": True})):
+        # ablations of the decode step: separate q/k/v and gate/up launches; torch's elementwise ops instead of
+        # the fused kernels; those ops compiled
+        for name, kw in (("ours-nvfp4 unfused", {"fuse": False}), ("ours-nvfp4 no-kernels", {"kernels": False}),
+                         ("ours-nvfp4 +compile", {"compile_elementwise": True})):
             rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
                          **time_engine(big, 8, 256, 512, 152064, **kw)})
             save()

@@ -22,14 +22,18 @@ stamp() { echo "[gpu_session $1] +$(( $(date +%s) - t0 ))s: $2"; }
 
 case "${1:?part 1, 2, 3 or 4}" in
 1)
-  mkdir -p /root/smol && cp .carry/p1/part.aa /root/smol/ && stamp 1 "first half of the GGUF parked"
+  mkdir -p /root/smol && [ -f .carry/p1/part.aa ] && cp .carry/p1/part.aa /root/smol/ && stamp 1 "first half of the GGUF parked"
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   python3 -c "
-from qerl_cli import kernel; import time; t=time.time(); ok=kernel.available()
-print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t:.1f}s')" 2>&1 | tee "$OUT/build.log"
+from qerl_cli import kernel, fused; import threading, time; t=time.time()
+side = threading.Thread(target=fused.available); side.start()  # the two extensions build side by side
+ok=kernel.available(); side.join()
+print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t:.1f}s')
+print('fused elementwise kernels available:', fused.available(), fused.build_error())" 2>&1 | tee "$OUT/build.log"
   stamp 1 "kernel built"
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_kernel.py tests/test_engine_gpu.py \
-    tests/test_train_gpu.py tests/test_calibrate_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  # TESTS: the GPU test files to run (default all of them)
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_kernel.py tests/test_engine_gpu.py \
+    tests/test_fused_gpu.py tests/test_train_gpu.py tests/test_calibrate_gpu.py} 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
   stamp 1 "GPU tests done"
   timeout 240 python3 benchmarks/bench_rollout.py --skip-smollm2 --profile --json "$OUT/rollout_7b_h200.json" 2>&1 \
     | tee "$OUT/bench_rollout_7b.log" | grep -v '^{'

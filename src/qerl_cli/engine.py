@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from . import fused as _fk
 from .errors import QerlError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -289,7 +290,8 @@ class LoRA:
 
 class Engine:
     def __init__(self, model, device: str | torch.device | None = None, cuda_graph: bool = True,
-                 grad_checkpoint: bool = False, fuse: bool | None = None, compile_elementwise: bool | None = None):
+                 grad_checkpoint: bool = False, fuse: bool | None = None, compile_elementwise: bool | None = None,
+                 kernels: bool | None = None):
         mt = getattr(model.config, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise QerlError(f"the rollout engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not '{mt}'.")
@@ -324,6 +326,11 @@ class Engine:
         if compile_elementwise is None:  # opt-in (QERL_ENGINE_COMPILE=1): inference forwards on CUDA only
             compile_elementwise = os.environ.get("QERL_ENGINE_COMPILE") == "1"
         self._ops = _compiled_ops() if compile_elementwise and self.device.type == "cuda" else None
+        # fused elementwise CUDA kernels (csrc/fused_ops.cu) for no-grad bf16 forwards on CUDA (default where
+        # they build), unless the compiled ops were asked for, kernels=False or QERL_ENGINE_KERNELS=0
+        self._kernels = (kernels is not False and self._ops is None and self.device.type == "cuda"
+                         and self.dtype == torch.bfloat16 and c.hidden_size % 8 == 0
+                         and c.hidden_size <= _fk.MAX_WIDTH and _fk.available())
         self.fused: list[dict[str, _Fused]] = [{} for _ in self.layers]
         if fuse:
             for i, layer in enumerate(self.layers):
@@ -444,6 +451,10 @@ class Engine:
         # queries see their own slot anyway
         mask = (causal[None, None] & key_mask[:, None, None, :]) | (slots[None, :] == qpos[:, None])[None, None]
         ckpt = self.grad_checkpoint and cache is None and torch.is_grad_enabled()
+        kernels = self._use_kernels(h)
+        if kernels:  # the additive form once per forward, not a bool -> float conversion in every layer
+            mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        pending = None  # with the kernels, each layer's MLP output is added inside the next layer's norm
         for i in range(len(self.layers)):
             nw = norms[i]
             w_in, w_post = nw["input_layernorm"], nw["post_attention_layernorm"]
@@ -452,24 +463,41 @@ class Engine:
             if ckpt:  # keep only each layer's input; recompute the layer in the backward pass
                 h = torch.utils.checkpoint.checkpoint(self._layer, i, h, w_in, w_post, cos, sin, mask, None, None,
                                                       use_reentrant=False)
+            elif kernels:
+                h, pending = self._layer_kernels(i, h, pending, w_in, w_post, cos, sin, mask, cache, qpos)
             else:
                 h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, qpos)
+        if pending is not None:
+            h = h + pending
         h = _rms_norm(h, self.final_norm, self.eps)
         return h if hidden_only else self.lm_head(h)
 
     def _layer(self, i: int, h: torch.Tensor, w_in: torch.Tensor, w_post: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, mask: torch.Tensor, cache, slots: torch.Tensor | None) -> torch.Tensor:
         """One decoder layer (pre-norm attention + pre-norm SwiGLU MLP, residuals) on hidden states ``h``."""
-        b, t, _ = h.shape
         layer, pre = self.layers[i], f"model.layers.{i}."
         if self._ops is not None and not torch.is_grad_enabled():
             ops = self._ops
         else:
             ops = _CUDA_OPS if h.is_cuda else _EAGER_OPS
-        attn = layer.self_attn
         x = ops.norm(h, w_in, self.eps)
+        h, x = ops.add_norm(h, self._attention(i, x, cos, sin, mask, cache, slots, ops), w_post, self.eps)
+        mlp = layer.mlp
+        g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "mlp.gate_proj", pre + "mlp.up_proj"], x)
+        return h + self._linear(mlp.down_proj, pre + "mlp.down_proj", ops.silu_mul(g, u))
+
+    def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache,
+                   slots: torch.Tensor | None, ops: _Ops, kernels: bool = False) -> torch.Tensor:
+        """The attention half of layer ``i`` on normed ``x``: q/k/v, rotary, KV-cache write, SDPA, o_proj.
+        ``kernels``: rotary and the cache write of a fused q/k/v in one fused kernel where possible."""
+        b, t, _ = x.shape
+        attn, pre = self.layers[i].self_attn, f"model.layers.{i}."
         f = self.fused[i].get("qkv")
-        if f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
+        if kernels and f is not None and cache is not None and self.head_dim % 16 == 0:
+            kc, vc = cache[i]
+            q = _fk.rope_kv(self._fused_out(f, x), cos, sin, kc, vc, slots[:1], self.n_heads)
+            k, v = kc, vc
+        elif f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
             y = self._fused_out(f, x)
             nq, nk, _ = f.sizes
             qk = ops.rope1(y[..., : nq + nk].view(b, t, self.n_heads + self.n_kv, self.head_dim),
@@ -485,16 +513,33 @@ class Engine:
             q, k = ops.rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         if cache is not None:
             kc, vc = cache[i]
-            kc.index_copy_(2, slots, k.to(kc.dtype))  # slots: this call's T cache slots (one per forward)
-            vc.index_copy_(2, slots, v.to(vc.dtype))
+            if k is not kc:  # (the fused kernel has written them already)
+                kc.index_copy_(2, slots, k.to(kc.dtype))  # slots: this call's T cache slots (one per forward)
+                vc.index_copy_(2, slots, v.to(vc.dtype))
             n = mask.shape[-1]  # the slots this forward can attend to (fewer than the cache in a prefill)
             k, v = (kc, vc) if n == kc.shape[2] else (kc[:, :, :n], vc[:, :, :n])
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
-        h, x = ops.add_norm(h, self._linear(attn.o_proj, pre + "self_attn.o_proj", o), w_post, self.eps)
+        return self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
+
+    def _use_kernels(self, h: torch.Tensor) -> bool:
+        return self._kernels and not torch.is_grad_enabled() and h.is_cuda and h.dtype == torch.bfloat16
+
+    def _layer_kernels(self, i: int, h: torch.Tensor, pending: torch.Tensor | None, w_in: torch.Tensor,
+                       w_post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache,
+                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_layer`` with the fused kernels (no grad, CUDA, bf16): the residual add of the previous layer's MLP
+        output (``pending``) inside this layer's input norm, rotary + KV-cache write in one kernel, SiLU·mul in
+        one. Returns the residual stream and this layer's MLP output, not yet added."""
+        layer, pre = self.layers[i], f"model.layers.{i}."
+        h, x = _fk.add_norm(h, pending, w_in, self.eps)
+        o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True)
+        h, x = _fk.add_norm(h, o, w_post, self.eps)
         mlp = layer.mlp
         g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "mlp.gate_proj", pre + "mlp.up_proj"], x)
-        return h + self._linear(mlp.down_proj, pre + "mlp.down_proj", ops.silu_mul(g, u))
+        ok = g.stride() == u.stride() and g.stride(-1) == 1 and g.shape[-1] % 8 == 0 and g.stride(-2) % 8 == 0
+        act = _fk.silu_mul(g, u) if ok else _silu_mul(g, u)
+        return h, self._linear(mlp.down_proj, pre + "mlp.down_proj", act)
 
     # ---------------------------------------------------------------- sampling
     def _new_cache(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

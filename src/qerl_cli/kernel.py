@@ -69,15 +69,39 @@ _warned: set[str] = set()
 _state = threading.local()
 
 
-def _source() -> Path | None:
+def _source(filename: str = "nvfp4_kernel.cu") -> Path | None:
     env = os.environ.get("QERL_CSRC")
     candidates = [Path(env)] if env else []
     here = Path(__file__).resolve()
     candidates += [here.parent / "csrc", here.parents[2] / "csrc"]
     for c in candidates:
-        if (c / "nvfp4_kernel.cu").is_file():
-            return c / "nvfp4_kernel.cu"
+        if (c / filename).is_file():
+            return c / filename
     return None
+
+
+def build_extension(name: str, filename: str):
+    """JIT-build (cached) and load the torch extension ``name`` from ``csrc/<filename>`` for this machine's
+    arch flags; raises with the reason when CUDA, the source or the build is missing."""
+    if os.environ.get("QERL_DISABLE_KERNEL"):
+        raise RuntimeError("QERL_DISABLE_KERNEL is set")
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    src = _source(filename)
+    if src is None:
+        raise RuntimeError(f"csrc/{filename} not found (set QERL_CSRC)")
+    from torch.utils.cpp_extension import load
+
+    arch = os.environ.get("QERL_KERNEL_ARCH_FLAGS")
+    arch_flags = arch.split() if arch else list(_DEFAULT_ARCH_FLAGS)
+    return load(name=name, sources=[str(src)], extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
+                extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
+
+
+def error_line(e: Exception) -> str:
+    """One line saying why a build or load failed."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[-1] if msg else ''}"[:300]
 
 
 def _warn_once(reason: str) -> None:
@@ -95,23 +119,9 @@ def _load():
         if _ext_tried:
             return _ext
         try:
-            if os.environ.get("QERL_DISABLE_KERNEL"):
-                raise RuntimeError("QERL_DISABLE_KERNEL is set")
-            if not torch.cuda.is_available():
-                raise RuntimeError("no CUDA device")
-            src = _source()
-            if src is None:
-                raise RuntimeError("csrc/nvfp4_kernel.cu not found (set QERL_CSRC)")
-            from torch.utils.cpp_extension import load
-
-            arch = os.environ.get("QERL_KERNEL_ARCH_FLAGS")
-            arch_flags = arch.split() if arch else list(_DEFAULT_ARCH_FLAGS)
-            _ext = load(name="qerl_nvfp4", sources=[str(src)],
-                        extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
-                        extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
+            _ext = build_extension("qerl_nvfp4", "nvfp4_kernel.cu")
         except Exception as e:  # noqa: BLE001 - any build/load failure means: use the reference
-            msg = str(e).strip().splitlines()
-            _ext_error = f"{type(e).__name__}: {msg[-1] if msg else ''}"[:300]
+            _ext_error = error_line(e)
             _ext = None
         if _ext is not None:
             _apply_variant(_ext)

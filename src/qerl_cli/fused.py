@@ -1,0 +1,104 @@
+"""Fused elementwise CUDA kernels of a decoder layer (``csrc/fused_ops.cu``) for the rollout engine.
+
+The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else torch's ops run):
+
+* ``add_norm(h, d, w, eps)`` -> ``(h + d, rmsnorm(h + d) * w)`` in one kernel (``d`` may be None: norm only);
+  ``w`` is ``[H]`` or one row per group of rows (``[R, 1, H]``, AQN's per-prompt-group noise);
+* ``silu_mul(g, u)`` -> ``silu(g) * u`` on the strided halves of a fused gate/up output, one kernel;
+* ``rope_kv(y, cos, sin, kc, vc, slot0, n_heads)`` -> q with rotary applied ``[B, H, T, D]``; k (rotary
+  applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven.
+
+Each rounds where the torch chain it replaces rounds (``silu_mul`` and ``rope_kv`` bit-exact; ``add_norm``
+sums the squares in another order, at most one bf16 unit apart). The extension is JIT-built on first use like
+the NVFP4 kernel's; ``available()`` says whether it loaded and ``build_error()`` why not. ``QERL_ENGINE_KERNELS=0``
+turns them off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from . import kernel
+
+__all__ = ["available", "build_error", "usable", "add_norm", "silu_mul", "rope_kv"]
+
+MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
+
+_lock = threading.Lock()
+_ext = None
+_err: str | None = None
+_tried = False
+
+
+def _load():
+    global _ext, _err, _tried
+    if _tried:
+        return _ext
+    with _lock:
+        if not _tried:
+            try:
+                if os.environ.get("QERL_ENGINE_KERNELS") == "0":
+                    raise RuntimeError("QERL_ENGINE_KERNELS=0")
+                _ext = kernel.build_extension("qerl_fused", "fused_ops.cu")
+            except Exception as e:  # noqa: BLE001 - no build means the torch ops run
+                _ext, _err = None, kernel.error_line(e)
+            _tried = True
+    return _ext
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def build_error() -> str | None:
+    _load()
+    return _err
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels can run on tensors like ``x`` (CUDA bf16, extension loaded)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and available()
+
+
+def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + d, rmsnorm(h + d) * w)`` for ``h, d [..., H]``; ``w`` ``[H]`` or ``[R, 1, H]`` with ``h`` ``[R, T, H]``."""
+    width = h.shape[-1]
+    h2 = h.reshape(-1, width)
+    rows_per_w = 1
+    if w.dim() == 1:
+        w2 = w.to(h.dtype)
+    else:  # per-row weights [R, 1, H] for h [R, T, H]
+        w2 = w.reshape(-1, width).to(h.dtype)
+        rows_per_w = h2.shape[0] // w2.shape[0]
+    w2 = w2.contiguous()
+    x = torch.empty_like(h2)
+    if d is None:
+        _load().add_rmsnorm(h2.contiguous(), None, w2, rows_per_w, x, x, eps)
+        return h, x.view(h.shape)
+    s = torch.empty_like(h2)
+    _load().add_rmsnorm(h2.contiguous(), d.reshape(-1, width).contiguous(), w2, rows_per_w, s, x, eps)
+    return s.view(h.shape), x.view(h.shape)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` for ``g, u [..., I]`` (views of one fused output are fine)."""
+    width = g.shape[-1]
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    _load().silu_mul(g.view(-1, width), u.view(-1, width), out.view(-1, width))
+    return out
+
+
+def rope_kv(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+            slot0: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rotary q ``[B, H, T, D]`` from the fused q/k/v output ``y [B, T, (H + 2 KV) * D]``; rotary k and v go
+    into the caches ``[B, KV, S, D]`` at slots ``slot0 + t`` (``slot0``: one int64 on the device)."""
+    b, t, _ = y.shape
+    d = kc.shape[-1]
+    q = torch.empty((b, n_heads, t, d), dtype=y.dtype, device=y.device)
+    _load().rope_kv(y.reshape(b * t, -1), cos.reshape(b * t, d), sin.reshape(b * t, d), q, kc, vc,
+                    slot0.reshape(1), t)
+    return q

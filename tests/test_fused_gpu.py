@@ -1,0 +1,98 @@
+"""The fused elementwise CUDA kernels (csrc/fused_ops.cu) against the torch chains they replace, and the
+engine with them against the engine without. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qerl_cli import fused
+from qerl_cli.engine import Engine, SamplingConfig, _rms_norm_fused, _rope1
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert fused.available(), f"fused kernels failed to build: {fused.build_error()}"
+
+
+def _rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 64), (8, 18944), (37, 1536)])
+def test_silu_mul_bit_exact(rows, width):
+    y = _rand(rows, 2 * width, scale=3.0)
+    g, u = y.split(width, dim=-1)
+    out = fused.silu_mul(g, u)
+    assert torch.equal(out, F.silu(g) * u)
+
+
+@pytest.mark.parametrize("b,t,h,kv,d,slot", [(8, 1, 28, 4, 128, 300), (3, 5, 8, 2, 32, 0), (2, 1, 9, 3, 64, 7)])
+def test_rope_kv_bit_exact(b, t, h, kv, d, slot):
+    s_len = slot + t + 3
+    y = _rand(b, t, (h + 2 * kv) * d)
+    ang = torch.randn(b, t, d // 2, device="cuda") * 3
+    cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
+    kc, vc = _rand(b, kv, s_len, d), _rand(b, kv, s_len, d)
+    k_ref, v_ref = kc.clone(), vc.clone()
+    qk = _rope1(y[..., : (h + kv) * d].view(b, t, h + kv, d), cos.unsqueeze(2), sin.unsqueeze(2))
+    slots = torch.arange(slot, slot + t, device="cuda")
+    k_ref.index_copy_(2, slots, qk[:, :, h:].transpose(1, 2))
+    v_ref.index_copy_(2, slots, y[..., (h + kv) * d:].view(b, t, kv, d).transpose(1, 2))
+    q = fused.rope_kv(y, cos, sin, kc, vc, slots[:1], h)
+    assert torch.equal(q, qk[:, :, :h].transpose(1, 2).contiguous())
+    assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)  # the other slots untouched
+
+
+@pytest.mark.parametrize("rows,width,per_row", [(8, 3584, False), (5, 576, True), (1, 8192, False)])
+def test_add_norm_within_one_rounding(rows, width, per_row):
+    h, d = _rand(rows, 1, width, scale=4), _rand(rows, 1, width, scale=4)
+    w = (1 + 0.1 * torch.randn(rows if per_row else 1, 1, width, device="cuda")).bfloat16()
+    w = w if per_row else w.view(width)
+    s, x = fused.add_norm(h, d, w, 1e-5)
+    assert torch.equal(s, h + d)
+    ref = s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
+    assert float(((x.float() - ref).abs() - 2**-8 * ref.abs()).max()) <= 1e-6  # one bf16 rounding of the fp32 value
+    torch_x = _rms_norm_fused(s, w, 1e-5)
+    assert float(((x.float() - torch_x.float()).abs() - 2**-7 * torch_x.float().abs()).max()) <= 1e-6
+    s2, x2 = fused.add_norm(s, None, w, 1e-5)
+    assert s2 is s and torch.equal(x2, x)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    conf = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.08)
+    return LlamaForCausalLM(conf).to("cuda", torch.bfloat16).eval()
+
+
+PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
+
+
+def test_engine_with_kernels_matches_engine_without(model):
+    """Same policy with and without the fused kernels: teacher-forced log-probs (with per-group AQN weights)
+    within bf16 rounding, greedy tokens agreeing, CUDA graph equal to eager with the kernels on."""
+    on, off = Engine(model, "cuda"), Engine(model, "cuda", kernels=False)
+    assert on._kernels and not off._kernels
+    cfg = SamplingConfig(temperature=0, max_new_tokens=16)
+    a = on.generate(PROMPTS, 2, cfg, 0, set(), 0)
+    b = off.generate(PROMPTS, 2, cfg, 0, set(), 0)
+    assert float((a.completion_ids[:, :4] == b.completion_ids[:, :4]).float().mean()) >= 0.75
+    eager = Engine(model, "cuda", cuda_graph=False).generate(PROMPTS, 2, cfg, 0, set(), 0)
+    assert torch.equal(a.completion_ids, eager.completion_ids)
+    for e in (on, off):
+        e.set_noise(0.02, 3, scope="group", groups=len(PROMPTS), group_size=4)
+    s = on.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)
+    with torch.no_grad():
+        lp_on = on.sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0, group=4).float()
+        lp_off = off.sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0, group=4).float()
+    gap = (lp_on - lp_off).abs().cpu()[s.completion_mask]
+    assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
+    beh = (lp_on.cpu() - s.behaviour_logprobs).abs()[s.completion_mask]
+    assert float(beh.max()) < 0.25 and float(beh.mean()) < 0.03
