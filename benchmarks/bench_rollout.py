@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from qerl_cli.engine import Engine, SamplingConfig
+from qerl_cli.engine import Engine, LoRA, SamplingConfig
 from qerl_cli.packed_model import PackedLinear, pack_model_inplace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,8 +68,28 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
 
 
-def time_engine(model, batch, p_len, new, vocab, graph=True, **engine_kw) -> dict:
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def random_lora(model, rank: int) -> LoRA:
+    """A rank-``rank`` adapter on every projection (random factors: speed does not depend on their values)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    factors = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in PROJECTIONS:
+            lin = layer.get_submodule(name)
+            factors[f"model.layers.{i}.{name}"] = (
+                torch.randn(rank, lin.in_features, device="cuda", generator=g, dtype=torch.bfloat16) * 0.01,
+                torch.randn(lin.out_features, rank, device="cuda", generator=g, dtype=torch.bfloat16) * 0.01)
+    return LoRA(factors, scaling=2.0)
+
+
+def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    if lora_rank:  # an adapter on every projection, as in training rollouts
+        eng.set_adapter(random_lora(model, lora_rank))
+        eng.batch_lora = batch_lora
     ps = prompts(batch, p_len, vocab)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
     # warm-up on exactly the measured shapes, cache length included: a first call at a new shape pays library
@@ -165,6 +185,9 @@ def main() -> None:
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile the 7B-shape NVFP4 decode step at batch 8")
+    ap.add_argument("--lora-only", action="store_true",
+                    help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
+                         "projection (NVFP4 also with the per-member LoRA terms)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -202,7 +225,9 @@ def main() -> None:
     # (b) Qwen2.5-7B shapes, random weights
     gc.collect()
     torch.cuda.empty_cache()
-    if not args.skip_7b:
+    if args.lora_only:
+        lora_part(result, rows, save)
+    elif not args.skip_7b:
         big = random_model(qwen7b_config())
         for batch in (8, 64):
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16", "batch": batch,
@@ -233,6 +258,21 @@ def main() -> None:
                          **time_engine(big, 8, 256, 512, 152064, **kw)})
             save()
     print_table(result, rows)
+
+
+def lora_part(result, rows, save) -> None:
+    """Rollout speed with an adapter (the training case): 7B shapes, batch 8, LoRA rank 32 on every projection."""
+    big = random_model(qwen7b_config())
+    for name, kw in (("ours-bf16", {}), ("ours-bf16 +lora32", {"lora_rank": 32})):
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8, **time_engine(big, 8, 256, 512, 152064, **kw)})
+        save()
+    big = pack_model_inplace(big)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for name, kw in (("ours-nvfp4", {}), ("ours-nvfp4 +lora32", {"lora_rank": 32}),
+                     ("ours-nvfp4 +lora32 per-member", {"lora_rank": 32, "batch_lora": False})):
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8, **time_engine(big, 8, 256, 512, 152064, **kw)})
+        save()
 
 
 def smollm2_part(base, tok, result, rows, save) -> None:

@@ -8,6 +8,8 @@
 #                                  left idle for 30 s is handed back, the runs with it)
 #   3                              waits for those runs (all arms and seeds side by side, 6-minute budgets),
 #                                  then the report of the training runs
+#   5                              engine check on a fresh machine: both extensions built, the engine's GPU tests,
+#                                  7B-shape rollout at batch 8 without and with a rank-32 adapter
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
 #                                  over seeds); needs the runs of parts 2-3 on the same warm machine; then the
 #                                  real-SmolLM2 rollout bench
@@ -20,16 +22,29 @@ GGUF=/root/smol/smol.gguf
 t0=$(date +%s)
 stamp() { echo "[gpu_session $1] +$(( $(date +%s) - t0 ))s: $2"; }
 
-case "${1:?part 1, 2, 3 or 4}" in
-1)
-  mkdir -p /root/smol && [ -f .carry/p1/part.aa ] && cp .carry/p1/part.aa /root/smol/ && stamp 1 "first half of the GGUF parked"
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+build() {
   python3 -c "
 from qerl_cli import kernel, fused; import threading, time; t=time.time()
 side = threading.Thread(target=fused.available); side.start()  # the two extensions build side by side
 ok=kernel.available(); side.join()
 print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t:.1f}s')
 print('fused elementwise kernels available:', fused.available(), fused.build_error())" 2>&1 | tee "$OUT/build.log"
+}
+
+case "${1:?part 1, 2, 3, 4 or 5}" in
+5)
+  build; stamp 5 "kernels built"
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_fused_gpu.py tests/test_engine_gpu.py \
+    2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  stamp 5 "GPU tests done"
+  timeout 200 python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 --json "$OUT/rollout_7b_lora.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
+  stamp 5 "7B LoRA rollout bench done"
+  ;;
+1)
+  mkdir -p /root/smol && [ -f .carry/p1/part.aa ] && cp .carry/p1/part.aa /root/smol/ && stamp 1 "first half of the GGUF parked"
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build
   stamp 1 "kernel built"
   # TESTS: the GPU test files to run (default all of them)
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_kernel.py tests/test_engine_gpu.py \

@@ -227,6 +227,60 @@ def test_fused_projections_equal_separate_ones(model):
                        plain.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).completion_ids)
 
 
+def test_batched_group_lora_equals_per_member_terms(model):
+    """No-grad calls compute a fused group's LoRA as one batched pair (members' A stacked, B block-diagonal):
+    same behaviour log-probs, tokens and teacher-forced log-probs as the per-member terms, for adapter factors
+    on some members (ranks differing) and for peft-wrapped modules; terms that cannot be batched fall back."""
+    from qerl_cli import engine as E
+    from qerl_cli import lora as qlora
+
+    m = copy.deepcopy(model)
+    factors = _lora_factors(m, ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
+                                "model.layers.1.mlp.gate_proj"])
+    factors["model.layers.0.self_attn.v_proj"] = _lora_factors(m, ["model.layers.0.self_attn.v_proj"], rank=7)[
+        "model.layers.0.self_attn.v_proj"]
+    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("k_proj", "up_proj"), 0)
+    with torch.no_grad():
+        for _, p in qlora.trainable(pm):
+            p.normal_(0, 0.1)
+    comp = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.ones_like(comp, dtype=torch.bool)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=12)
+    for base, lora in ((m, LoRA(factors, scaling=2.0)), (pm.get_base_model(), None)):
+        res = []
+        for batched in (False, True):
+            eng = Engine(base, fuse=True)
+            eng.set_adapter(lora)
+            eng.batch_lora = batched
+            snap = eng._snapshot_lora()
+            assert (snap is None) != batched
+            if batched:  # every group batched, and at least one with LoRA terms
+                assert len(snap) == 2 * len(eng.layers) and any(v is not E._NO_LORA for v in snap.values())
+            b = eng.generate(PROMPTS, 2, cfg, 3, {EOS}, PAD)
+            with torch.no_grad():
+                tf = eng.sequence_logprobs([PROMPTS[0], PROMPTS[1]], comp, mask, 1.0, PAD)
+            res.append((b, tf))
+            assert eng._lora_snap is None  # dropped when the call ends
+        (b0, tf0), (b1, tf1) = res
+        assert torch.equal(b0.completion_ids, b1.completion_ids)
+        torch.testing.assert_close(b1.behaviour_logprobs, b0.behaviour_logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tf1, tf0, rtol=1e-5, atol=1e-5)
+        eng.set_adapter(None)
+        if lora is not None:  # the terms matter: without the adapter the log-probs move
+            with torch.no_grad():
+                assert float((eng.sequence_logprobs([PROMPTS[0], PROMPTS[1]], comp, mask, 1.0, PAD) - tf1).abs().max()) > 1e-3
+    eng = Engine(m, fuse=True)
+    eng.set_adapter(LoRA(factors, scaling=2.0))
+    f = eng.fused[0]["qkv"]
+    a, b_, s = E._group_lora(f, eng.lora)
+    assert a.shape == (4 + 7, m.config.hidden_size) and b_.shape == (sum(f.sizes), 11) and s == 2.0
+    assert float(b_[f.sizes[0]: f.sizes[0] + f.sizes[1]].abs().max()) == 0.0  # k has no term: zero block
+    peft_eng = Engine(pm.get_base_model(), fuse=True)
+    peft_eng.set_adapter(LoRA({"model.layers.0.self_attn.k_proj": factors["model.layers.0.self_attn.q_proj"]},
+                              scaling=2.0))
+    assert E._group_lora(peft_eng.fused[0]["qkv"], peft_eng.lora) is None  # peft and adapter on one member
+
+
 def test_fused_projections_carry_peft_lora_and_gradients(model):
     from qerl_cli import lora as qlora
 

@@ -207,6 +207,50 @@ def _peft_delta(m, x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+_NO_LORA = object()  # a fused group without LoRA terms (in a LoRA snapshot)
+
+
+def _group_lora(f: "_Fused", lora: "LoRA | None"):
+    """The LoRA terms of a fused group's members as one batched pair, for no-grad calls: ``(A [sum r, in],
+    B [sum out, sum r] block-diagonal, scaling)`` so the group's LoRA costs two matmuls instead of two per
+    member plus a concatenation. ``_NO_LORA`` when no member has a term; None when they cannot be batched
+    (several adapters on one member, active dropout, differing scalings or dtypes): then each member's term is
+    computed as before."""
+    terms = []
+    for m, n in zip(f.modules, f.names):
+        found = []
+        if hasattr(m, "lora_A") and not getattr(m, "disable_adapters", False):
+            if getattr(m, "merged", False):
+                return None
+            for name in m.active_adapters:
+                if name in m.lora_A:
+                    drop = m.lora_dropout[name]
+                    if drop.training and getattr(drop, "p", 0.0) > 0:
+                        return None
+                    found.append((m.lora_A[name].weight.detach(), m.lora_B[name].weight.detach(),
+                                  float(m.scaling[name])))
+        if lora is not None and n in lora.factors:
+            a, b = lora.factors[n]
+            found.append((a, b, lora.scaling))
+        if len(found) > 1:
+            return None
+        terms.append(found[0] if found else None)
+    present = [t for t in terms if t is not None]
+    if not present:
+        return _NO_LORA
+    if len({t[2] for t in present}) > 1 or len({(t[0].dtype, t[1].dtype, t[0].device) for t in present}) > 1:
+        return None
+    a = torch.cat([t[0] for t in present])
+    b = torch.zeros(sum(f.sizes), a.shape[0], dtype=present[0][1].dtype, device=a.device)
+    row = col = 0
+    for t, size in zip(terms, f.sizes):
+        if t is not None:
+            b[row: row + size, col: col + t[0].shape[0]] = t[1]
+            col += t[0].shape[0]
+        row += size
+    return a, b, present[0][2]
+
+
 def _rehomed(bases: list, tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The fused buffer an earlier engine made for these modules, if they are still its consecutive views."""
     w = getattr(bases[0], "_qerl_fused_buffer", None)
@@ -340,6 +384,10 @@ class Engine:
                         self.fused[i][key] = _Fused(mods, [f"model.layers.{i}.{parent}.{n}" for n in members])
         self._graph = None
         self._eos: set[int] = set()
+        # no-grad calls batch each fused group's LoRA terms (a snapshot taken when the call starts, dropped when
+        # it ends, so it never outlives the adapter weights it copied); False: per-member terms as in training
+        self.batch_lora = True
+        self._lora_snap: dict[int, object] | None = None
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -405,6 +453,13 @@ class Engine:
     def _fused_out(self, f: _Fused, x: torch.Tensor) -> torch.Tensor:
         """The fused group's output ``[..., sum(sizes)]``, each member's LoRA added to its slice."""
         y = f.base(x)
+        snap = self._lora_snap.get(id(f)) if self._lora_snap is not None else None
+        if snap is _NO_LORA:
+            return y
+        if snap is not None:  # one batched pair for the whole group (see _group_lora)
+            a, b, scaling = snap
+            xa = x if torch.is_autocast_enabled(x.device.type) else x.to(a.dtype)
+            return y + ((xa @ a.t()) @ b.t() * scaling).to(y.dtype)
         deltas: list[torch.Tensor | None] = []
         for m, n in zip(f.modules, f.names):
             d = _peft_delta(m, x)
@@ -604,10 +659,24 @@ class Engine:
         tok = torch.multinomial(trunc.exp(), 1, generator=gen).squeeze(1)
         return tok, trunc.gather(-1, tok[:, None]).squeeze(1), full.gather(-1, tok[:, None]).squeeze(1)
 
+    def _snapshot_lora(self) -> dict[int, object] | None:
+        if not self.batch_lora:
+            return None
+        return {id(f): t for groups in self.fused for f in groups.values()
+                if (t := _group_lora(f, self.lora)) is not None}
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group: int, sampling: SamplingConfig, seed: int,
                  eos_ids: set[int] | list[int], pad_id: int) -> RolloutBatch:
         """Sample ``group`` completions per prompt (sharing the prompt's prefill)."""
+        self._lora_snap = self._snapshot_lora()
+        try:
+            return self._generate(prompts, group, sampling, seed, eos_ids, pad_id)
+        finally:
+            self._lora_snap = None
+
+    def _generate(self, prompts: list[list[int]], group: int, sampling: SamplingConfig, seed: int,
+                  eos_ids: set[int] | list[int], pad_id: int) -> RolloutBatch:
         if group < 1:
             raise QerlError(f"the group size G must be >= 1, got {group}.")
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -702,7 +771,12 @@ class Engine:
         # the vocabulary projection only where a completion token is predicted, a few rows at a time: the
         # [rows, T, vocab] fp32 logits never exist whole (in a differentiable pass each chunk's logits are
         # recomputed in the backward instead of kept)
-        h = self.forward(ids, pos, key, hidden_only=True)[:, p_len - 1: p_len + t - 1]
+        snap = self._snapshot_lora() if not torch.is_grad_enabled() else None
+        self._lora_snap = snap
+        try:
+            h = self.forward(ids, pos, key, hidden_only=True)[:, p_len - 1: p_len + t - 1]
+        finally:
+            self._lora_snap = None
         targets = completion_ids.to(dev)
         inv_t = 1.0 / (temperature if temperature > 0 else 1.0)
 
