@@ -269,6 +269,15 @@ def test_batched_group_lora_equals_per_member_terms(model):
         if lora is not None:  # the terms matter: without the adapter the log-probs move
             with torch.no_grad():
                 assert float((eng.sequence_logprobs([PROMPTS[0], PROMPTS[1]], comp, mask, 1.0, PAD) - tf1).abs().max()) > 1e-3
+    # under autocast (the train stage's rollouts on CUDA): the batched terms run in the autocast dtype as peft's do
+    outs = []
+    for batched in (False, True):
+        eng = Engine(pm.get_base_model(), fuse=True)
+        eng.batch_lora = batched
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(eng.sequence_logprobs([PROMPTS[0], PROMPTS[1]], comp, mask, 1.0, PAD).float())
+    gap = (outs[0] - outs[1]).abs()
+    assert torch.isfinite(gap).all() and float(gap.max()) < 0.1 and float(gap.mean()) < 0.02
     eng = Engine(m, fuse=True)
     eng.set_adapter(LoRA(factors, scaling=2.0))
     f = eng.fused[0]["qkv"]
