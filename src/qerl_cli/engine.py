@@ -140,6 +140,12 @@ def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def _silu_mul_kernel(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``_silu_mul`` in one fused CUDA kernel where the views allow 16-byte accesses (else torch's ops)."""
+    ok = g.stride() == u.stride() and g.stride(-1) == 1 and g.shape[-1] % 8 == 0 and g.stride(-2) % 8 == 0
+    return _fk.silu_mul(g, u) if ok else _silu_mul(g, u)
+
+
 class _Ops:
     """The elementwise pieces of a layer: eager (CPU: exactly HF's op order), eager with torch's fused RMSNorm
     (CUDA), or each compiled into one fused kernel (torch.compile, opt-in)."""
@@ -530,16 +536,19 @@ class Engine:
     def _layer(self, i: int, h: torch.Tensor, w_in: torch.Tensor, w_post: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, mask: torch.Tensor, cache, slots: torch.Tensor | None) -> torch.Tensor:
         """One decoder layer (pre-norm attention + pre-norm SwiGLU MLP, residuals) on hidden states ``h``."""
-        layer, pre = self.layers[i], f"model.layers.{i}."
         if self._ops is not None and not torch.is_grad_enabled():
             ops = self._ops
         else:
             ops = _CUDA_OPS if h.is_cuda else _EAGER_OPS
         x = ops.norm(h, w_in, self.eps)
         h, x = ops.add_norm(h, self._attention(i, x, cos, sin, mask, cache, slots, ops), w_post, self.eps)
-        mlp = layer.mlp
-        g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "mlp.gate_proj", pre + "mlp.up_proj"], x)
-        return h + self._linear(mlp.down_proj, pre + "mlp.down_proj", ops.silu_mul(g, u))
+        return h + self._mlp(i, x, ops.silu_mul)
+
+    def _mlp(self, i: int, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        """The SwiGLU MLP of layer ``i`` on normed ``x`` (``silu_mul(g, u)``: the activation's implementation)."""
+        mlp, pre = self.layers[i].mlp, f"model.layers.{i}.mlp."
+        g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "gate_proj", pre + "up_proj"], x)
+        return self._linear(mlp.down_proj, pre + "down_proj", silu_mul(g, u))
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache,
                    slots: torch.Tensor | None, ops: _Ops, kernels: bool = False) -> torch.Tensor:
@@ -586,15 +595,10 @@ class Engine:
         """``_layer`` with the fused kernels (no grad, CUDA, bf16): the residual add of the previous layer's MLP
         output (``pending``) inside this layer's input norm, rotary + KV-cache write in one kernel, SiLU·mul in
         one. Returns the residual stream and this layer's MLP output, not yet added."""
-        layer, pre = self.layers[i], f"model.layers.{i}."
         h, x = _fk.add_norm(h, pending, w_in, self.eps)
         o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True)
         h, x = _fk.add_norm(h, o, w_post, self.eps)
-        mlp = layer.mlp
-        g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "mlp.gate_proj", pre + "mlp.up_proj"], x)
-        ok = g.stride() == u.stride() and g.stride(-1) == 1 and g.shape[-1] % 8 == 0 and g.stride(-2) % 8 == 0
-        act = _fk.silu_mul(g, u) if ok else _silu_mul(g, u)
-        return h, self._linear(mlp.down_proj, pre + "mlp.down_proj", act)
+        return h, self._mlp(i, x, _silu_mul_kernel)
 
     # ---------------------------------------------------------------- sampling
     def _new_cache(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
