@@ -402,3 +402,51 @@ def test_fused_projections_with_fp32_peft_factors_on_bf16_weights(packed_dir):
         assert b.completion_ids.shape[0] == 2
     assert out[1].dtype == out[0].dtype
     torch.testing.assert_close(out[1], out[0], rtol=0.05, atol=0.05)
+
+
+def test_fused_kernel_path_plumbing_on_cpu(model, monkeypatch):
+    """The engine's fused-kernel path (CUDA-only kernels) with the kernels replaced by their torch definitions,
+    so its plumbing runs on CPU: the previous layer's MLP output added inside the next norm, the additive mask,
+    rotary + KV-cache writes at ``slot0 + t`` in prefill and decode, the final residual add. Same tokens and
+    log-probs as the plain path (fp32)."""
+    from qerl_cli import engine as E
+
+    def add_norm(h, d, w, eps):
+        s = h if d is None else h + d
+        return s, E._rms_norm_fused(s, w, eps)
+
+    def rope_kv(y, cos, sin, kc, vc, slot0, n_heads):
+        b, t, _ = y.shape
+        d, kv = kc.shape[-1], kc.shape[1]
+        qk = E._rope1(y[..., : (n_heads + kv) * d].view(b, t, n_heads + kv, d), cos.unsqueeze(2), sin.unsqueeze(2))
+        slots = slot0.reshape(1) + torch.arange(t)
+        kc.index_copy_(2, slots, qk[:, :, n_heads:].transpose(1, 2))
+        vc.index_copy_(2, slots, y[..., (n_heads + kv) * d:].view(b, t, kv, d).transpose(1, 2))
+        return qk[:, :, :n_heads].transpose(1, 2).contiguous()
+
+    calls = {"add_norm": 0, "rope_kv": 0, "silu_mul": 0}
+
+    def counted(name, f):
+        def g(*a):
+            calls[name] += 1
+            return f(*a)
+        return g
+
+    monkeypatch.setattr(E._fk, "add_norm", counted("add_norm", add_norm))
+    monkeypatch.setattr(E._fk, "rope_kv", counted("rope_kv", rope_kv))
+    monkeypatch.setattr(E._fk, "silu_mul", counted("silu_mul", lambda g, u: F.silu(g) * u))
+    plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
+    monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
+    for eng in (plain, kern):
+        eng.set_noise(0.05, 4, scope="group", groups=len(PROMPTS), group_size=2)  # per-row norm weights too
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    a = plain.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    b = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    n_layers = len(model.model.layers)
+    assert calls["rope_kv"] >= n_layers * 2 and calls["add_norm"] >= 2 * n_layers and calls["silu_mul"] >= n_layers
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        tf_a = plain.sequence_logprobs(a.prompt_ids, a.completion_ids, a.completion_mask, 1.0, PAD, group=2)
+        tf_b = kern.sequence_logprobs(a.prompt_ids, a.completion_ids, a.completion_mask, 1.0, PAD, group=2)
+    torch.testing.assert_close(tf_b, tf_a, rtol=1e-5, atol=1e-5)
