@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from qerl_cli.engine import Engine, LoRA, SamplingConfig
+from qerl_cli.engine import PROJECTIONS, Engine, LoRA, SamplingConfig
 from qerl_cli.packed_model import PackedLinear, pack_model_inplace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,10 +66,6 @@ def weight_bytes(model) -> dict:
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
-
-
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
 
 
 def random_lora(model, rank: int) -> LoRA:

@@ -236,10 +236,11 @@ def test_batched_group_lora_equals_per_member_terms(model):
 
     m = copy.deepcopy(model)
     factors = _lora_factors(m, ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
-                                "model.layers.1.mlp.gate_proj"])
+                                "model.layers.1.mlp.gate_proj", "model.layers.0.self_attn.o_proj",
+                                "model.layers.1.mlp.down_proj"])
     factors["model.layers.0.self_attn.v_proj"] = _lora_factors(m, ["model.layers.0.self_attn.v_proj"], rank=7)[
         "model.layers.0.self_attn.v_proj"]
-    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("k_proj", "up_proj"), 0)
+    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("k_proj", "up_proj", "o_proj"), 0)
     with torch.no_grad():
         for _, p in qlora.trainable(pm):
             p.normal_(0, 0.1)
@@ -255,7 +256,8 @@ def test_batched_group_lora_equals_per_member_terms(model):
             snap = eng._snapshot_lora()
             assert (snap is None) != batched
             if batched:  # every group batched, and at least one with LoRA terms
-                assert len(snap) == 2 * len(eng.layers) and any(v is not E._NO_LORA for v in snap.values())
+                # both groups and the two single linears (o, down) of every layer
+                assert len(snap) == 4 * len(eng.layers) and any(v is not E._NO_LORA for v in snap.values())
             b = eng.generate(PROMPTS, 2, cfg, 3, {EOS}, PAD)
             with torch.no_grad():
                 tf = eng.sequence_logprobs([PROMPTS[0], PROMPTS[1]], comp, mask, 1.0, PAD)
@@ -281,13 +283,16 @@ def test_batched_group_lora_equals_per_member_terms(model):
     eng = Engine(m, fuse=True)
     eng.set_adapter(LoRA(factors, scaling=2.0))
     f = eng.fused[0]["qkv"]
-    a, b_, s = E._group_lora(f, eng.lora)
-    assert a.shape == (4 + 7, m.config.hidden_size) and b_.shape == (sum(f.sizes), 11) and s == 2.0
-    assert float(b_[f.sizes[0]: f.sizes[0] + f.sizes[1]].abs().max()) == 0.0  # k has no term: zero block
+    a, bs = E._lora_terms(f.modules, f.names, f.sizes, eng.lora)
+    assert a.shape == (4 + 7, m.config.hidden_size) and bs.shape == (11, sum(f.sizes))
+    assert float(bs[:, f.sizes[0]: f.sizes[0] + f.sizes[1]].abs().max()) == 0.0  # k has no term: zero block
+    q_b = factors["model.layers.0.self_attn.q_proj"][1]
+    assert torch.equal(bs[:4, : f.sizes[0]], q_b.t() * 2.0) and float(bs[4:, : f.sizes[0]].abs().max()) == 0.0
     peft_eng = Engine(pm.get_base_model(), fuse=True)
     peft_eng.set_adapter(LoRA({"model.layers.0.self_attn.k_proj": factors["model.layers.0.self_attn.q_proj"]},
                               scaling=2.0))
-    assert E._group_lora(peft_eng.fused[0]["qkv"], peft_eng.lora) is None  # peft and adapter on one member
+    g = peft_eng.fused[0]["qkv"]
+    assert E._lora_terms(g.modules, g.names, g.sizes, peft_eng.lora) is None  # peft and adapter on one member
 
 
 def test_fused_projections_carry_peft_lora_and_gradients(model):

@@ -12,7 +12,12 @@ Fused projections (on CUDA by default; ``fuse``): the q/k/v weights of a layer, 
 re-homed into one buffer each (the modules keep their exact values as views into it), so each group runs as
 one matmul — one packed-kernel launch instead of three (two) per layer in every decode step. NVFP4 groups
 fuse only where the members share one tensor scale (``qerl quantize`` gives fused sets one, as vLLM needs).
-Each member's LoRA (our container or a peft layer) is added to its slice of the fused output.
+Each member's LoRA (our container or a peft layer) is added to its slice of the fused output. No-grad calls
+(rollouts, scoring) batch the LoRA terms of each fused group and linear into one pair of matmuls (a snapshot of
+the adapter per call, see ``_lora_terms``); differentiable forwards compute them as peft does.
+
+Fused kernels (CUDA, bf16, no grad; :mod:`qerl_cli.fused`): residual add + RMSNorm, rotary + KV-cache write,
+SiLU·mul, each one kernel, rounding where torch's ops round.
 
 Behaviour log-probs: for each sampled token, the log-prob under the distribution it was **actually sampled
 from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
@@ -174,6 +179,8 @@ def _compiled_ops() -> _Ops:
     return _COMPILED_OPS
 
 
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
 FUSED_GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up": ("mlp", ("gate_proj", "up_proj"))}
 
 
@@ -213,17 +220,18 @@ def _peft_delta(m, x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-_NO_LORA = object()  # a fused group without LoRA terms (in a LoRA snapshot)
+_NO_LORA = object()  # a linear or fused group without LoRA terms (in a LoRA snapshot)
 
 
-def _group_lora(f: "_Fused", lora: "LoRA | None"):
-    """The LoRA terms of a fused group's members as one batched pair, for no-grad calls: ``(A [sum r, in],
-    B [sum out, sum r] block-diagonal, scaling)`` so the group's LoRA costs two matmuls instead of two per
-    member plus a concatenation. ``_NO_LORA`` when no member has a term; None when they cannot be batched
-    (several adapters on one member, active dropout, differing scalings or dtypes): then each member's term is
-    computed as before."""
+def _lora_terms(modules: list, names: list[str], sizes: list[int], lora: "LoRA | None"):
+    """The LoRA terms of sibling linears on one input (a fused group's members, or one linear) as one pair
+    for no-grad calls: ``(A [sum r, in], Bs [sum r, sum out])`` with the members' A stacked and their B, times
+    the scaling, block-diagonal and transposed, so ``y + (x @ A^T) @ Bs`` is the whole LoRA term — two matmuls
+    (the second with the add in its epilogue) instead of four ops per member plus a concatenation.
+    ``_NO_LORA`` when no member has a term; None when they cannot be batched (several adapters on one member,
+    active dropout, differing scalings or dtypes): then each member's term is computed as in training."""
     terms = []
-    for m, n in zip(f.modules, f.names):
+    for m, n in zip(modules, names):
         found = []
         if hasattr(m, "lora_A") and not getattr(m, "disable_adapters", False):
             if getattr(m, "merged", False):
@@ -231,7 +239,7 @@ def _group_lora(f: "_Fused", lora: "LoRA | None"):
             for name in m.active_adapters:
                 if name in m.lora_A:
                     drop = m.lora_dropout[name]
-                    if drop.training and getattr(drop, "p", 0.0) > 0:
+                    if (drop.training and getattr(drop, "p", 0.0) > 0) or getattr(m, "use_dora", {}).get(name):
                         return None
                     found.append((m.lora_A[name].weight.detach(), m.lora_B[name].weight.detach(),
                                   float(m.scaling[name])))
@@ -247,14 +255,26 @@ def _group_lora(f: "_Fused", lora: "LoRA | None"):
     if len({t[2] for t in present}) > 1 or len({(t[0].dtype, t[1].dtype, t[0].device) for t in present}) > 1:
         return None
     a = torch.cat([t[0] for t in present])
-    b = torch.zeros(sum(f.sizes), a.shape[0], dtype=present[0][1].dtype, device=a.device)
+    bs = torch.zeros(a.shape[0], sum(sizes), dtype=present[0][1].dtype, device=a.device)
     row = col = 0
-    for t, size in zip(terms, f.sizes):
+    for t, size in zip(terms, sizes):
         if t is not None:
-            b[row: row + size, col: col + t[0].shape[0]] = t[1]
-            col += t[0].shape[0]
-        row += size
-    return a, b, present[0][2]
+            bs[row: row + t[0].shape[0], col: col + size] = t[1].t() * t[2]
+            row += t[0].shape[0]
+        col += size
+    return a, bs
+
+
+def _lora_add(y: torch.Tensor, x: torch.Tensor, terms: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``y`` plus the batched LoRA term of ``x`` (see ``_lora_terms``); the add rides in the second matmul's
+    epilogue where the dtypes agree (peft's fp32 factors on bf16 activations without autocast: added after)."""
+    a, bs = terms
+    auto = torch.is_autocast_enabled(x.device.type)
+    h = (x if auto else x.to(a.dtype)).reshape(-1, x.shape[-1]) @ a.t()
+    y2 = y.reshape(-1, y.shape[-1])
+    if auto or h.dtype == y.dtype == bs.dtype:
+        return torch.addmm(y2, h, bs).view(y.shape).to(y.dtype)
+    return (y2 + (h @ bs).to(y.dtype)).view(y.shape)
 
 
 def _rehomed(bases: list, tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -390,9 +410,10 @@ class Engine:
                         self.fused[i][key] = _Fused(mods, [f"model.layers.{i}.{parent}.{n}" for n in members])
         self._graph = None
         self._eos: set[int] = set()
-        # no-grad calls batch each fused group's LoRA terms (a snapshot taken when the call starts, dropped when
-        # it ends, so it never outlives the adapter weights it copied); False: per-member terms as in training
-        self.batch_lora = True
+        # no-grad calls batch the LoRA terms of each fused group and linear (a snapshot taken when the call starts,
+        # dropped when it ends, so it never outlives the adapter weights it copied); False (or
+        # QERL_ENGINE_BATCH_LORA=0): the terms as in training
+        self.batch_lora = os.environ.get("QERL_ENGINE_BATCH_LORA", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
 
     # ---------------------------------------------------------------- adapters and noise
@@ -448,6 +469,10 @@ class Engine:
 
     # ---------------------------------------------------------------- forward
     def _linear(self, module, name: str, x: torch.Tensor) -> torch.Tensor:
+        snap = self._lora_snap.get(id(module)) if self._lora_snap is not None else None
+        if snap is not None:  # a no-grad call: the base, then the batched LoRA term (see _lora_terms)
+            y = _base_layer(module)(x)
+            return y if snap is _NO_LORA else _lora_add(y, x, snap)
         y = module(x)
         if self.lora is not None:
             f = self.lora.factors.get(name)
@@ -462,10 +487,8 @@ class Engine:
         snap = self._lora_snap.get(id(f)) if self._lora_snap is not None else None
         if snap is _NO_LORA:
             return y
-        if snap is not None:  # one batched pair for the whole group (see _group_lora)
-            a, b, scaling = snap
-            xa = x if torch.is_autocast_enabled(x.device.type) else x.to(a.dtype)
-            return y + ((xa @ a.t()) @ b.t() * scaling).to(y.dtype)
+        if snap is not None:  # one batched pair for the whole group (see _lora_terms)
+            return _lora_add(y, x, snap)
         deltas: list[torch.Tensor | None] = []
         for m, n in zip(f.modules, f.names):
             d = _peft_delta(m, x)
@@ -666,8 +689,20 @@ class Engine:
     def _snapshot_lora(self) -> dict[int, object] | None:
         if not self.batch_lora:
             return None
-        return {id(f): t for groups in self.fused for f in groups.values()
-                if (t := _group_lora(f, self.lora)) is not None}
+        snap = {}
+        for i, layer in enumerate(self.layers):
+            grouped = set()
+            for f in self.fused[i].values():
+                grouped.update(id(m) for m in f.modules)
+                if (t := _lora_terms(f.modules, f.names, f.sizes, self.lora)) is not None:
+                    snap[id(f)] = t
+            for name in PROJECTIONS:
+                m = layer.get_submodule(name)
+                if id(m) not in grouped:
+                    t = _lora_terms([m], [f"model.layers.{i}.{name}"], [_base_layer(m).out_features], self.lora)
+                    if t is not None:
+                        snap[id(m)] = t
+        return snap
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group: int, sampling: SamplingConfig, seed: int,
