@@ -13,7 +13,7 @@ from . import artifact, names, stats, ui
 from .errors import QerlError
 
 
-def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict]]:
+def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict], list[dict]]:
     summaries = [json.loads(a.file(names.EVAL_SUMMARY).read_text()) for a in arts]
     ids = {s["dataset_id"] for s in summaries}
     if len(ids) > 1:
@@ -29,8 +29,8 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict]]:
     rows = []
     for a, s, ex in zip(arts, summaries, examples):
         p = s["policy"]
-        # the interval is recomputed from the per-example scores, so every row uses the same method (artifacts
-        # written before 0.4 put a Wilson interval over all n*k samples in the summary, too narrow for k > 1)
+        # the interval is recomputed from the per-example scores, so every row uses the same method (older
+        # artifacts hold a Wilson interval over all n*k samples in the summary, too narrow for k > 1)
         ci, ci_method = stats.accuracy_ci([e["correct"] for e in ex.values()])
         rows.append({"path": str(a.path), "weights": p.get("weights"), "adapter": (p.get("adapter_digest") or "none")[:12],
                      "temperature": p.get("temperature"), "aqn_sigma": p.get("aqn", {}).get("sigma"),
