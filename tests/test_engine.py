@@ -455,3 +455,23 @@ def test_fused_kernel_path_plumbing_on_cpu(model, monkeypatch):
         tf_a = plain.sequence_logprobs(a.prompt_ids, a.completion_ids, a.completion_mask, 1.0, PAD, group=2)
         tf_b = kern.sequence_logprobs(a.prompt_ids, a.completion_ids, a.completion_mask, 1.0, PAD, group=2)
     torch.testing.assert_close(tf_b, tf_a, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_kernels_failed_build_warns_and_falls_back(monkeypatch):
+    """Where CUDA is present but the fused kernels do not build, one warning says so and the engine's torch ops
+    run (no silent slowdown, no crash)."""
+    from qerl_cli import fused, kernel
+
+    monkeypatch.setattr(fused, "_tried", False)
+    monkeypatch.setattr(fused, "_ext", None)
+    monkeypatch.setattr(fused, "_err", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("QERL_ENGINE_KERNELS", raising=False)
+
+    def broken(name, filename):
+        raise RuntimeError("nvcc: not found")
+
+    monkeypatch.setattr(kernel, "build_extension", broken)
+    with pytest.warns(RuntimeWarning, match="fused kernels did not build.*nvcc: not found"):
+        assert not fused.available()
+    assert "nvcc: not found" in fused.build_error()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import torch
 
@@ -45,6 +46,9 @@ def _load():
                 _ext = kernel.build_extension("qerl_fused", "fused_ops.cu")
             except Exception as e:  # noqa: BLE001 - no build means the torch ops run
                 _ext, _err = None, kernel.error_line(e)
+                if torch.cuda.is_available() and os.environ.get("QERL_ENGINE_KERNELS") != "0":
+                    warnings.warn(f"qerl.fused: the engine's fused kernels did not build, torch's ops run instead "
+                                  f"(slower): {_err}", RuntimeWarning, stacklevel=3)
             _tried = True
     return _ext
 
