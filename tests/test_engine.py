@@ -190,6 +190,15 @@ def test_lora_applied_beside_the_base_and_swappable(model):
     assert torch.equal(again, base)
 
 
+def _peft(qlora, model, targets):
+    """``model`` wrapped in peft LoRA (rank 4) on ``targets``, its factors drawn non-zero."""
+    pm = qlora.wrap(model, 4, 8.0, targets, 0)
+    with torch.no_grad():
+        for _, p in qlora.trainable(pm):
+            p.normal_(0, 0.1)
+    return pm
+
+
 def _lora_factors(model, names_, rank=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -240,10 +249,7 @@ def test_batched_group_lora_equals_per_member_terms(model):
                                 "model.layers.1.mlp.down_proj"])
     factors["model.layers.0.self_attn.v_proj"] = _lora_factors(m, ["model.layers.0.self_attn.v_proj"], rank=7)[
         "model.layers.0.self_attn.v_proj"]
-    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("k_proj", "up_proj", "o_proj"), 0)
-    with torch.no_grad():
-        for _, p in qlora.trainable(pm):
-            p.normal_(0, 0.1)
+    pm = _peft(qlora, copy.deepcopy(model), ("k_proj", "up_proj", "o_proj"))
     comp = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.ones_like(comp, dtype=torch.bool)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=12)
@@ -298,10 +304,7 @@ def test_batched_group_lora_equals_per_member_terms(model):
 def test_fused_projections_carry_peft_lora_and_gradients(model):
     from qerl_cli import lora as qlora
 
-    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("q_proj", "v_proj", "up_proj"), 0)
-    with torch.no_grad():
-        for _, p in qlora.trainable(pm):
-            p.normal_(0, 0.1)
+    pm = _peft(qlora, copy.deepcopy(model), ("q_proj", "v_proj", "up_proj"))
     comp = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.ones_like(comp, dtype=torch.bool)
     res = []
@@ -323,10 +326,7 @@ def test_teacher_forced_logprobs_in_row_chunks(model, monkeypatch):
     from qerl_cli import engine as eng_mod
     from qerl_cli import lora as qlora
 
-    pm = qlora.wrap(copy.deepcopy(model), 4, 8.0, ("q_proj", "down_proj"), 0)
-    with torch.no_grad():
-        for _, p in qlora.trainable(pm):
-            p.normal_(0, 0.1)
+    pm = _peft(qlora, copy.deepcopy(model), ("q_proj", "down_proj"))
     eng = Engine(pm.get_base_model())
     comp = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
@@ -392,10 +392,7 @@ def test_fused_projections_with_fp32_peft_factors_on_bf16_weights(packed_dir):
 
     m = packed_model.load_packed_model(artifact.open_artifact(packed_dir / "packed", names.KIND_PACKED),
                                        dtype=torch.bfloat16)
-    pm = qlora.wrap(m, 4, 8.0, ("q_proj", "v_proj", "up_proj"), 0)
-    with torch.no_grad():
-        for _, p in qlora.trainable(pm):
-            p.normal_(0, 0.1)
+    pm = _peft(qlora, m, ("q_proj", "v_proj", "up_proj"))
     comp = torch.tensor([[5, 6, 7], [8, 9, 10]])
     mask = torch.ones_like(comp, dtype=torch.bool)
     out = []
