@@ -24,7 +24,7 @@ import torch
 
 from . import kernel
 
-__all__ = ["available", "build_error", "usable", "add_norm", "silu_mul", "rope_kv"]
+__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
 
@@ -60,11 +60,6 @@ def available() -> bool:
 def build_error() -> str | None:
     _load()
     return _err
-
-
-def usable(x: torch.Tensor) -> bool:
-    """Whether the kernels can run on tensors like ``x`` (CUDA bf16, extension loaded)."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and available()
 
 
 def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
