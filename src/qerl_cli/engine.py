@@ -27,6 +27,7 @@ top-k = 0 and top-p = 1. Greedy decoding (temperature 0) records 0.0 (a determin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -704,15 +705,22 @@ class Engine:
                         snap[id(m)] = t
         return snap
 
+    @contextlib.contextmanager
+    def _lora_batched(self):
+        """Within: no-grad forwards use a snapshot of the batched LoRA terms; it is dropped on leaving, so it
+        never outlives the adapter weights it copied. Differentiable calls get none."""
+        self._lora_snap = None if torch.is_grad_enabled() else self._snapshot_lora()
+        try:
+            yield
+        finally:
+            self._lora_snap = None
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group: int, sampling: SamplingConfig, seed: int,
                  eos_ids: set[int] | list[int], pad_id: int) -> RolloutBatch:
         """Sample ``group`` completions per prompt (sharing the prompt's prefill)."""
-        self._lora_snap = self._snapshot_lora()
-        try:
+        with self._lora_batched():
             return self._generate(prompts, group, sampling, seed, eos_ids, pad_id)
-        finally:
-            self._lora_snap = None
 
     def _generate(self, prompts: list[list[int]], group: int, sampling: SamplingConfig, seed: int,
                   eos_ids: set[int] | list[int], pad_id: int) -> RolloutBatch:
@@ -810,12 +818,8 @@ class Engine:
         # the vocabulary projection only where a completion token is predicted, a few rows at a time: the
         # [rows, T, vocab] fp32 logits never exist whole (in a differentiable pass each chunk's logits are
         # recomputed in the backward instead of kept)
-        snap = self._snapshot_lora() if not torch.is_grad_enabled() else None
-        self._lora_snap = snap
-        try:
+        with self._lora_batched():
             h = self.forward(ids, pos, key, hidden_only=True)[:, p_len - 1: p_len + t - 1]
-        finally:
-            self._lora_snap = None
         targets = completion_ids.to(dev)
         inv_t = 1.0 / (temperature if temperature > 0 else 1.0)
 

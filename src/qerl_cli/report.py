@@ -73,7 +73,7 @@ def _arm_evals(arts: list[artifact.Artifact], examples: list[dict]) -> list[dict
         shared = set.intersection(*(set(ex) for _, ex in seeds))
         pooled[arm] = ({i: sum(float(ex[i]["correct"]) for _, ex in seeds) / len(seeds) for i in shared},
                        sorted(s for s, _ in seeds))
-    order = list(dict.fromkeys(_arm_of(str(a.path))[0] for a in arts if _arm_of(str(a.path))))
+    order = list(arms)  # first appearance in the arguments
     base_arm = order[0]
     out = []
     for arm in order:
