@@ -158,14 +158,19 @@ def main() -> int:
                        "weight_gbps": weight_bytes / ours / 1e9, "pct_copy_bw": 100 * weight_bytes / ours / copy_bw,
                        "tflops": 2 * m * n * k / ours / 1e12, "cublas_tflops": 2 * m * n * k / cublas / 1e12,
                        "rel_err": err, "nan": nan}
+                if m <= kernel.large_m_threshold():  # the same calls without programmatic dependent launch
+                    kernel.set_pdl(False)
+                    row["ours_nopdl_us"] = 1e6 * time_graph(lambda i: kernel.linear(x, qws[i], gs, n, k, out=out), cq,
+                                                            cq * math.ceil(calls_target / cq))
+                    kernel.set_pdl(True)
                 if args.both_paths_from <= m <= 1024:
                     row["mma_us"] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0), cq,
                                                      cq * math.ceil(calls_target / cq))
                     row["dequant_cublas_us"] = 1e6 * time_graph(
                         lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
-                if m <= 16:  # every forced small-M variant side by side: alternative configuration, v2, default
+                if m <= 64:  # every forced small-M variant side by side: alternative configuration, v2, default
                     for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0)):
-                        if code == ours_code:
+                        if code == ours_code or (code == 2 and m > 16):  # (v2 exists for M <= 16 only)
                             continue
                         ext.set_variant(code)
                         if key == "v2_us":  # correctness of v2 on the same poisoned-output check
@@ -185,6 +190,7 @@ def main() -> int:
                 rows.append(row)
                 alt = (f"  mma {row['mma_us']:8.1f}  deq+cublas {row['dequant_cublas_us']:8.1f}"
                        if "mma_us" in row else "")
+                alt += f"  no-PDL {row['ours_nopdl_us']:7.1f}" if "ours_nopdl_us" in row else ""
                 alt += f"  alt {row['alt_variant_us']:6.1f}" if "alt_variant_us" in row else ""
                 alt += f"  dflt {row['default_variant_us']:6.1f}" if "default_variant_us" in row else ""
                 if "v2_us" in row:
@@ -201,7 +207,8 @@ def main() -> int:
     result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
               "cuda": torch.version.cuda, "host": platform.node(), "copy_bw_bytes_per_s": copy_bw,
               "large_m_threshold": kernel.large_m_threshold(), "variant": args.variant, "timing": "median of 5 CUDA-graph replays, "
-              "weights rotated over copies totalling >= 200 MB; ours = kernel.linear (auto path)",
+              "weights rotated over copies totalling >= 200 MB; ours = kernel.linear (auto path), with programmatic "
+              "dependent launch (each call's prologue overlaps the previous call; ours_nopdl_us: without it)",
               "wall_s": time.time() - t_start, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -213,12 +220,13 @@ def print_table(result: dict) -> None:
     print(f"\n{result['device']}: copy bandwidth {result['copy_bw_bytes_per_s'] / 1e12:.2f} TB/s")
     print(f"ours = small-M variant {result.get('variant', 'default')}")
     hdr = ("| model | layer | N | K | M | path | ours µs | cuBLAS µs | speed-up | GB/s | % copy | TFLOP/s "
-           "| v2 µs | v2 speed-up |")
+           "| ours without PDL µs | v2 µs | v2 speed-up |")
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in result["rows"]:
         path = "mma" if r["path"] == kernel.BACKEND_KERNEL else "deq+cuBLAS"
         v2 = (f"{r['v2_us']:.1f} | {r['v2_speedup_vs_cublas']:.2f}" if "v2_us" in r else "— | —")
+        v2 = (f"{r['ours_nopdl_us']:.1f} | " if "ours_nopdl_us" in r else "— | ") + v2
         print(f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {path} | {r['ours_us']:.1f} | "
               f"{r['cublas_us']:.1f} | {r['speedup']:.2f} | {r['weight_gbps']:.0f} | {r['pct_copy_bw']:.0f} | "
               f"{r['tflops']:.1f} | {v2} |")

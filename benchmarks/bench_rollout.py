@@ -239,6 +239,9 @@ def main() -> None:
         rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16 no-kernels", "batch": 8,
                      **time_engine(big, 8, 256, 512, 152064, kernels=False)})
         save()
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16 no-PDL", "batch": 8,
+                     **without_pdl(lambda: time_engine(big, 8, 256, 512, 152064))})
+        save()
         big = pack_model_inplace(big)
         gc.collect()
         torch.cuda.empty_cache()
@@ -260,7 +263,21 @@ def main() -> None:
             rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
                          **time_engine(big, 8, 256, 512, 152064, **kw)})
             save()
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 no-PDL", "batch": 8,
+                     **without_pdl(lambda: time_engine(big, 8, 256, 512, 152064))})
+        save()
     print_table(result, rows)
+
+
+def without_pdl(fn):
+    """fn() with programmatic dependent launch off (csrc/pdl.cuh; graphs captured inside fn keep it off)."""
+    from qerl_cli import kernel
+
+    kernel.set_pdl(False)
+    try:
+        return fn()
+    finally:
+        kernel.set_pdl(True)
 
 
 def lora_part(result, rows, save) -> None:

@@ -10,6 +10,9 @@
 #                                  then the report of the training runs
 #   5                              engine check on a fresh machine: both extensions built, the engine's GPU tests,
 #                                  7B-shape rollout at batch 8 without and with a rank-32 adapter
+#   6                              session 5: both extensions built, the kernel / fused / engine GPU tests, the
+#                                  small-M kernel bench (7B and 32B shapes, with and without PDL)
+#   7                              session 5: the 7B-shape rollout bench with profile and ablations (after 6, warm)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
 #                                  over seeds); needs the runs of parts 2-3 on the same warm machine; then the
 #                                  real-SmolLM2 rollout bench
@@ -31,7 +34,25 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
 print('fused elementwise kernels available:', fused.available(), fused.build_error())" 2>&1 | tee "$OUT/build.log"
 }
 
-case "${1:?part 1, 2, 3, 4 or 5}" in
+case "${1:?part 1, 2, 3, 4, 5, 6 or 7}" in
+6)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 6 "kernels built"
+  timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider -rf -x ${TESTS:-tests/test_kernel.py tests/test_fused_gpu.py \
+    tests/test_engine_gpu.py} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  stamp 6 "GPU tests done"
+  timeout 200 python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} --ms ${MS:-1,8,16,64} \
+    --json "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v '^|'
+  stamp 6 "kernel bench done"
+  ;;
+7)
+  build; stamp 7 "kernels loaded"
+  [ -n "${TESTS:-}" ] && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf $TESTS 2>&1 | tail -8 \
+    | tee "$OUT/gpu_tests.log"
+  timeout 420 python3 benchmarks/bench_rollout.py --skip-smollm2 --profile --json "$OUT/rollout_7b_h200.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b.log" | grep -v '^{'
+  stamp 7 "7B rollout bench done"
+  ;;
 5)
   build; stamp 5 "kernels built"
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_fused_gpu.py tests/test_engine_gpu.py \

@@ -12,9 +12,13 @@
 //     written into the KV cache [B, KV, S, D] at slots slot0 + t (slot0 read on the device, so a CUDA graph
 //     can replay the step for a new slot).
 // Vector width: 8 bf16 (16 bytes) per access; the wrappers require widths and strides that allow it.
+// Each kernel lets the next one on the stream launch at once and waits for the one before it before touching
+// memory (programmatic dependent launch, csrc/pdl.cuh): a launch's latency hides behind the previous kernel.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include "pdl.cuh"
 
 #ifndef QERL_NO_TORCH
 #include <c10/cuda/CUDAGuard.h>
@@ -42,6 +46,8 @@ constexpr int kNormChunks = 4;
 __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
     const bf16* __restrict__ h, const bf16* __restrict__ d, const bf16* __restrict__ w, int64_t w_stride,
     int rows_per_w, bf16* __restrict__ h_out, bf16* __restrict__ x_out, int width, float eps) {
+  qerl_pdl::trigger();
+  qerl_pdl::wait();
   const int64_t row = blockIdx.x;
   const bf16* hr = h + row * width;
   const bf16* dr = d ? d + row * width : nullptr;
@@ -88,6 +94,8 @@ __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
 
 __global__ void silu_mul_kernel(const bf16* __restrict__ g, const bf16* __restrict__ u, int64_t in_stride,
                                 bf16* __restrict__ out, int64_t rows, int width) {
+  qerl_pdl::trigger();
+  qerl_pdl::wait();
   const int per_row = width / 8;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * per_row) return;
@@ -110,6 +118,8 @@ __global__ void rope_kv_kernel(const bf16* __restrict__ y, int64_t y_stride, con
                                const bf16* __restrict__ sin, int64_t cs_stride, bf16* __restrict__ q_out,
                                bf16* __restrict__ kc, bf16* __restrict__ vc, const int64_t* __restrict__ slot0,
                                int batch, int t_len, int n_heads, int n_kv, int head_dim, int64_t slots) {
+  qerl_pdl::trigger();
+  qerl_pdl::wait();
   const int half = head_dim / 2, chunks = half / 8, heads = n_heads + 2 * n_kv;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(batch) * t_len * heads * chunks) return;
@@ -189,10 +199,11 @@ void add_rmsnorm(const at::Tensor& h, const c10::optional<at::Tensor>& d, const 
   }
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(h.device());
-  add_rmsnorm_kernel<<<static_cast<unsigned>(rows), kNormThreads, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
-      cptr(h), dp, cptr(w), w.dim() == 1 ? 0 : width, static_cast<int>(w.dim() == 1 ? rows : rows_per_w),
-      dp ? mptr(h_out) : nullptr, mptr(x_out), static_cast<int>(width), static_cast<float>(eps));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0,
+                                   c10::cuda::getCurrentCUDAStream().stream(), h.get_device(), cptr(h), dp, cptr(w),
+                                   w.dim() == 1 ? int64_t(0) : width,
+                                   static_cast<int>(w.dim() == 1 ? rows : rows_per_w), dp ? mptr(h_out) : nullptr,
+                                   mptr(x_out), static_cast<int>(width), static_cast<float>(eps)));
 }
 
 // g, u: [rows, width] views with unit column stride and one shared row stride; out: [rows, width] contiguous
@@ -208,9 +219,9 @@ void silu_mul(const at::Tensor& g, const at::Tensor& u, at::Tensor& out) {
   const int64_t rows = g.size(0), width = g.size(1), n = rows * (width / 8);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(g.device());
-  silu_mul_kernel<<<blocks_for(n, 256), 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
-      cptr(g), cptr(u), g.stride(0), mptr(out), rows, static_cast<int>(width));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(qerl_pdl::launch(silu_mul_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
+                                   c10::cuda::getCurrentCUDAStream().stream(), g.get_device(), cptr(g), cptr(u),
+                                   g.stride(0), mptr(out), rows, static_cast<int>(width)));
 }
 
 // y: [B * T, (H + 2 KV) * D] rows (unit column stride); cos, sin: [B * T, D] rows; q_out [B, H, T, D]
@@ -240,11 +251,12 @@ void rope_kv(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, 
   const int64_t n = batch * t_len * (n_heads + 2 * n_kv) * (d / 16);
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(y.device());
-  rope_kv_kernel<<<blocks_for(n, 128), 128, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
-      cptr(y), y.stride(0), cptr(cos), cptr(sin), cos.stride(0), mptr(q_out), mptr(kc), mptr(vc),
-      slot0.data_ptr<int64_t>(), static_cast<int>(batch), static_cast<int>(t_len), static_cast<int>(n_heads),
-      static_cast<int>(n_kv), static_cast<int>(d), kc.size(2));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(qerl_pdl::launch(rope_kv_kernel, dim3(blocks_for(n, 128)), dim3(128), 0,
+                                   c10::cuda::getCurrentCUDAStream().stream(), y.get_device(), cptr(y), y.stride(0),
+                                   cptr(cos), cptr(sin), cos.stride(0), mptr(q_out), mptr(kc), mptr(vc),
+                                   static_cast<const int64_t*>(slot0.data_ptr<int64_t>()), static_cast<int>(batch),
+                                   static_cast<int>(t_len), static_cast<int>(n_heads), static_cast<int>(n_kv),
+                                   static_cast<int>(d), kc.size(2)));
 }
 
 #endif  // QERL_NO_TORCH
@@ -256,5 +268,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rmsnorm", &qerl_fused::add_rmsnorm, "h_out = h + d; x_out = rmsnorm(h_out) * w (bf16 rows)");
   m.def("silu_mul", &qerl_fused::silu_mul, "out = silu(g) * u (bf16 rows)");
   m.def("rope_kv", &qerl_fused::rope_kv, "rotary on q and k of a fused qkv row; k, v into the KV cache");
+  m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; }, "programmatic dependent launch on/off");
 }
 #endif

@@ -29,6 +29,8 @@
 
 #include <type_traits>
 
+#include "pdl.cuh"
+
 #ifndef QERL_NO_TORCH
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -90,6 +92,20 @@ __device__ __forceinline__ __nv_bfloat162 scale_pair(uint32_t sw7f) {
   return __hmul2(__hmul2(u2bf(t), k120), k64);
 }
 
+// one output element: bf16(acc * alpha), then + bias[n] rounded again (what `y + bias` in bf16 does after the
+// matmul, so the fused epilogue equals the unfused chain bit for bit)
+__device__ __forceinline__ __nv_bfloat16 out_value(float v, const __nv_bfloat16* __restrict__ bias, int n) {
+  const __nv_bfloat16 y = __float2bfloat16_rn(v);
+  return bias ? __float2bfloat16_rn(__bfloat162float(y) + __bfloat162float(bias[n])) : y;
+}
+
+// PDL prologue of the small-M kernels: L2 prefetch of a warp's first tiles of one row block (contiguous
+// records), issued by lane 0 before qerl_pdl::wait()
+constexpr int kPrefetchTiles = 16;
+__device__ __forceinline__ void prefetch_tiles(const uint8_t* rec, int tiles, int lane) {
+  if (lane == 0) qerl_pdl::prefetch_l2(rec, (uint32_t)(min(tiles, kPrefetchTiles) * kRecordBytes));
+}
+
 __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -148,8 +164,9 @@ __device__ __forceinline__ void mma_half(float (&acc)[R][TG][4], const uint32_t 
 template <int TG, int R, int D, int KCH, int NACC, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
-    __nv_bfloat16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-    int NT, int KT, int S, int tiles_per_split) {
+    const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split) {
+  qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
   extern __shared__ __align__(16) __nv_bfloat16 xs[];
@@ -175,6 +192,12 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     rb[r] = (rg * kWarps + warp) * R + r;
     rec[r] = qw + (size_t)min(rb[r], NT - 1) * KT * kRecordBytes;
   }
+
+  // PDL prologue: warm L2 with this warp's first tiles while the kernel before us finishes
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (rb[r] < NT) prefetch_tiles(rec[r] + (size_t)kt0 * kRecordBytes, kt1 - kt0, lane);
+  qerl_pdl::wait();
 
   // weight prefetch: tiles kt0 .. kt0 + D - 1
   WTile wr[D][R];
@@ -302,7 +325,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
         const int m = q * 8 + 2 * t + (i & 1);
         if (rowblock_ok && n < N && m < mslice) {
           if (S == 1)
-            out[(size_t)(tok0 + m) * N + n] = __float2bfloat16_rn(v[i] * alpha);
+            out[(size_t)(tok0 + m) * N + n] = out_value(v[i] * alpha, bias, n);
           else
             ws[((size_t)split * M + tok0 + m) * N + n] = v[i];
         }
@@ -330,7 +353,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     const size_t o = (size_t)(tok0 + m) * N + n0 + nn;
     float sum = 0.f;
     for (int s = 0; s < S; ++s) sum += __ldcg(ws + (size_t)s * M * N + o);
-    out[o] = __float2bfloat16_rn(sum * alpha);
+    out[o] = out_value(sum * alpha, bias, n0 + nn);
   }
   if (tid == 0) counters[rg * gridDim.x + slice] = 0;  // ready for the next launch on this stream
 }
@@ -385,8 +408,9 @@ __device__ __forceinline__ int sk_owner(int64_t u, int64_t W, int64_t P) { retur
 template <int TG, int R, int D, int KCH, int NACC, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
-    __nv_bfloat16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-    int NT, int KT, int RG) {
+    const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG) {
+  qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged (M <= MP: one slice)
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements)
   constexpr int ROWS = kWarps * R * 16;
@@ -401,6 +425,18 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
   const int64_t P = gridDim.x, W = (int64_t)RG * KT;
   const int b = blockIdx.x;
   const int64_t u0 = sk_begin(b, W, P), u1 = sk_begin(b + 1, W, P);
+
+  // PDL prologue: warm L2 with this warp's first tiles (of the first row group in its range)
+  if (u0 < u1) {
+    const int rg0 = (int)(u0 / KT), kta = (int)(u0 - (int64_t)rg0 * KT);
+    const int ktb = (int)min((int64_t)KT, (int64_t)kta + (u1 - u0));
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int rbr = (rg0 * kWarps + warp) * R + r;
+      if (rbr < NT) prefetch_tiles(qw + ((size_t)rbr * KT + kta) * kRecordBytes, ktb - kta, lane);
+    }
+  }
+  qerl_pdl::wait();
 
   const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
   if (mslice < MP) {
@@ -549,7 +585,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
           const int m = q * 8 + 2 * t + (i & 1);
           if (rowblock_ok && n < N && m < mslice) {
             if (whole)
-              out[(size_t)m * N + n] = __float2bfloat16_rn(v[i] * alpha);
+              out[(size_t)m * N + n] = out_value(v[i] * alpha, bias, n);
             else
               wsb[(size_t)m * ROWS + nl] = v[i];
           }
@@ -592,7 +628,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
           sum += v3;
         }
         for (; bb <= blast; ++bb) sum += __ldcg(p0 + (size_t)(2 * bb) * slot_stride);
-        out[(size_t)m * N + n0 + nn] = __float2bfloat16_rn(sum * alpha);
+        out[(size_t)m * N + n0 + nn] = out_value(sum * alpha, bias, n0 + nn);
       }
       if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
     }
@@ -679,7 +715,9 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
   X(2, 1, 8, 16, 2, 3)            \
   X(2, 2, 4, 8, 1, 3)             \
   X(4, 2, 4, 8, 1, 3)             \
-  X(8, 1, 2, 4, 1, 3)
+  X(8, 1, 2, 4, 1, 3)             \
+  X(4, 4, 2, 4, 1, 2)             \
+  X(8, 2, 2, 4, 1, 2)
 
 // opt-in small-M variant (set_variant(2)): M <= 8, M <= 16
 #define QERL_MMA_V2_CONFIGS(X) \
@@ -689,14 +727,14 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
 #ifdef QERL_NO_TORCH
 // explicit instances for a stand-alone `nvcc -Xptxas -v` resource report
 #define QERL_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                             \
-  template __global__ void nvfp4_mma_kernel<TG, R, D, KCH, NACC, MINB>(const __nv_bfloat16*, const uint8_t*,      \
-                                                                 const float*, __nv_bfloat16*, float*, int*, \
-                                                                 int, int, int, int, int, int, int);
+  template __global__ void nvfp4_mma_kernel<TG, R, D, KCH, NACC, MINB>(                                      \
+      const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
+      int, int, int, int, int, int);
 QERL_MMA_CONFIGS(QERL_INSTANCE)
 #define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                          \
   template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB>(                                   \
-      const __nv_bfloat16*, const uint8_t*, const float*, __nv_bfloat16*, float*, int*, int, int, int, int, int, \
-      int);
+      const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
+      int, int, int, int, int);
 QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
@@ -720,9 +758,20 @@ static int g_variant = 3;  // 3: auto (per shape, below)
 // that small weights do not amortize), otherwise the alternative configuration for M <= 8 (shorter prefetch,
 // one more CTA per SM: faster on q/k/v, o and down at M = 2..8) and the default configuration above that.
 constexpr int64_t kV2MinWeights = 100000000;
+constexpr int64_t kV2MinRows = 5120;  // session 5: v2 also wins on the 32B q/k/v, o and down shapes (N >= 5120)
 static int auto_variant(int64_t M, int64_t N, int64_t K) {
-  if (M <= 16 && N * K >= kV2MinWeights) return 2;
+  if (M <= 16 && (N * K >= kV2MinWeights || N >= kV2MinRows)) return 2;
+  if (M > 32 && N * K >= kV2MinWeights) return 1;  // two row blocks per warp: 8-15 % faster on gate_up at M = 64
   return M <= 8 ? 1 : 0;
+}
+
+// Path of linear_out for bf16 x of M rows (auto): the mma kernel up to the large-M threshold, except for small
+// weights from M = 32 on, where dequantize + cuBLAS measured faster on the H200 (7B q/k/v and o at M = 32 and
+// 64: 18-22 us against 26-34; equal on the 32B ones; session 5, benchmarks/results/kernel_s5_h200.json)
+constexpr int64_t kDequantMaxWeights = 40000000;
+int64_t choose_path(int64_t M, int64_t n, int64_t k) {
+  if (M > g_large_m_threshold) return 1;
+  return (M >= 32 && n * k <= kDequantMaxWeights) ? 1 : 0;
 }
 
 struct SmallCfg {
@@ -800,8 +849,8 @@ void dequantize_out(const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64
 }
 
 template <int TG, int R, int D, int KCH, int NACC, int MINB>
-static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, at::Tensor& out, int M,
-                       int N, int K, int NT, int KT) {
+static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
+                       at::Tensor& out, int M, int N, int K, int NT, int KT) {
   constexpr int ROWS_BLOCKS = kWarps * R;
   constexpr int MP = 8 * TG;
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
@@ -857,17 +906,16 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   }
   dim3 grid(slices, RG, S);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kern<<<grid, kWarps * 32, smem, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
-                                            qw.data_ptr<uint8_t>(), gs.data_ptr<float>(),
-                                            reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws, counters, M, N, K,
-                                            NT, KT, S, tps);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(qerl_pdl::launch(kern, grid, dim3(kWarps * 32), smem, stream, x.get_device(),
+                                   reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
+                                   gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws,
+                                   counters, M, N, K, NT, KT, S, tps));
 }
 
 // opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG
 template <int TG, int R, int D, int KCH, int NACC, int MINB>
-static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, at::Tensor& out, int M,
-                          int N, int K, int NT, int KT) {
+static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs,
+                          const __nv_bfloat16* bias, at::Tensor& out, int M, int N, int K, int NT, int KT) {
   constexpr int ROWS_BLOCKS = kWarps * R;
   constexpr int MP = 8 * TG;
   TORCH_CHECK(M <= MP, "qerl: v2 kernel instance for M <= ", MP, " called with M = ", M);
@@ -899,32 +947,39 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   at::Tensor wsbuf = at::empty({2 * P * (int64_t)M * ROWS_BLOCKS * 16}, x.options().dtype(at::kFloat));
   int* counters = counters_for(x, RG);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kern<<<dim3((unsigned)P), kWarps * 32, smem, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(), gs.data_ptr<float>(),
-      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(kWarps * 32), smem, stream, x.get_device(),
+                                   reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
+                                   gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG));
 }
 
-// x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous. path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS.
+// x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous (+ bias [N] of x's dtype, added after the bf16
+// rounding of the product, as `y + bias` would). path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS.
 // Returns the path taken.
 int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
-                   at::Tensor& out, int64_t path) {
+                   at::Tensor& out, int64_t path, const c10::optional<at::Tensor>& bias) {
   check_packed(qw, gs, n, k);
   TORCH_CHECK(x.is_cuda() && x.get_device() == qw.get_device(), "qerl: x must be on the weight's device");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, ", k, "], got ", x.sizes());
   TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n &&
                   out.is_contiguous() && out.scalar_type() == x.scalar_type(),
               "qerl: out must be a contiguous [M, n] tensor of x's dtype");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_cuda() && bias->get_device() == x.get_device() && bias->scalar_type() == x.scalar_type() &&
+                    bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "qerl: bias must be a contiguous [n] tensor of x's dtype on x's device");
   c10::cuda::CUDAGuard guard(qw.device());
   const int64_t M = x.size(0);
   if (M == 0) return 0;
-  if (path < 0) path = (x.scalar_type() == at::kBFloat16 && M <= g_large_m_threshold) ? 0 : 1;
+  if (path < 0) path = x.scalar_type() == at::kBFloat16 ? choose_path(M, n, k) : 1;
   if (path == 1 || x.scalar_type() != at::kBFloat16) {
     at::Tensor w = at::empty({n, k}, x.options());
     dequantize_out(qw, gs, n, k, w);
     at::mm_out(out, x, w.t());
+    if (bias.has_value()) out.add_(*bias);
     return 1;
   }
+  const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   at::Tensor xc = x.contiguous();
   if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
   TORCH_CHECK(M <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
@@ -933,18 +988,20 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   // variant 0); variant 3 (auto): one of them per shape (auto_variant)
   const int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
   if (variant == 2 && M <= 16) {
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5>(xc, qw, gs, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 4>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<2, 1, 4, 8, 2, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
   } else if (M <= 8) {
-    if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, out, Mi, N, K, NT, KT);
-    else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
   } else if (M <= 16) {
-    if (variant == 1) launch_mma<2, 2, 4, 8, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
-    else launch_mma<2, 1, 8, 16, 2, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
-  } else if (M <= 32) {
-    launch_mma<4, 2, 4, 8, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
-  } else {
-    launch_mma<8, 1, 2, 4, 1, 3>(xc, qw, gs, out, Mi, N, K, NT, KT);
+    if (variant == 1) launch_mma<2, 2, 4, 8, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma<2, 1, 8, 16, 2, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+  } else if (M <= 32) {  // variant 1 here: four row blocks per warp (activations staged once per 256 rows)
+    if (variant == 1) launch_mma<4, 4, 2, 4, 1, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma<4, 2, 4, 8, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+  } else {  // variant 1 here: two row blocks per warp
+    if (variant == 1) launch_mma<8, 2, 2, 4, 1, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma<8, 1, 2, 4, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
   }
   return 0;
 }
@@ -974,10 +1031,16 @@ int64_t get_large_m_threshold() { return g_large_m_threshold; }
 }  // namespace qerl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_out", &qerl::linear_out, "x @ W^T into out; returns the path (0 mma kernel, 1 dequant+cuBLAS)");
+  m.def("linear_out", &qerl::linear_out,
+        "x @ W^T (+ bias) into out; returns the path (0 mma kernel, 1 dequant+cuBLAS)", py::arg("x"), py::arg("qw"),
+        py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("path"), py::arg("bias") = py::none());
+  m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; },
+        "programmatic dependent launch of the small-M kernels (and of qerl_fused's) on or off");
+  m.def("get_pdl", [] { return qerl_pdl::enabled_flag() != 0; });
   m.def("linear_t_out", &qerl::linear_t_out, "g @ W into out");
   m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
+  m.def("choose_path", &qerl::choose_path, "the path linear_out takes for bf16 x of M rows: 0 mma, 1 dequant+cuBLAS");
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
   m.def("set_variant", &qerl::set_variant,
         "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 16, 3 auto (per shape)");

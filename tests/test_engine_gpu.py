@@ -128,3 +128,39 @@ def test_batched_group_lora_on_cuda(gpu_model):
                     .float().cpu() for e in engines)
     gap = (tf0 - tf1).abs()[b0.completion_mask]
     assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
+
+
+def test_pdl_on_off_identical_packed_qwen2():
+    """A packed Qwen2 model (q/k/v biases, added in the kernel's epilogue) through the CUDA-graph engine:
+    programmatic dependent launch on and off give bit-identical tokens and behaviour log-probs, and the
+    biases are really applied (the same engine without them samples differently)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from qerl_cli import kernel
+
+    torch.manual_seed(1)
+    conf = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.08)
+    m = Qwen2ForCausalLM(conf).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.5)
+    m = pack_model_inplace(m.to("cuda", torch.bfloat16))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=20)
+    runs = []
+    try:
+        for pdl in (True, False):
+            kernel.set_pdl(pdl)
+            runs.append(Engine(m, "cuda").generate(PROMPTS, 3, cfg, 7, set(), 0))
+    finally:
+        kernel.set_pdl(True)
+    a, b = runs
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.bias.zero_()
+            layer.self_attn.k_proj.bias.zero_()
+    c = Engine(m, "cuda").generate(PROMPTS, 3, cfg, 7, set(), 0)
+    assert not torch.equal(c.behaviour_logprobs, a.behaviour_logprobs)

@@ -80,6 +80,28 @@ def test_cpu_out_variant_and_autograd():
     torch.testing.assert_close(xr.grad, gy @ w)
 
 
+def test_cpu_bias_equals_add_after_rounding():
+    """bias: added after the product is rounded to x's dtype (what ``linear(x) + bias`` does), both forms."""
+    n, k = 80, 64
+    qw, gs = make_packed(n, k, seed=11)
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, k, dtype=dt)
+        b = torch.randn(n, dtype=dt) * 3
+        expect = kernel.linear(x, qw, gs, n, k) + b
+        assert torch.equal(kernel.linear(x, qw, gs, n, k, bias=b), expect)
+        out = torch.full((5, n), float("nan"), dtype=dt)
+        assert torch.equal(kernel.linear(x, qw, gs, n, k, out=out, bias=b), expect)
+    # a bias of another dtype is converted first; the gradient flows to x only
+    xr = torch.randn(3, k, requires_grad=True)
+    y = kernel.linear(xr, qw, gs, n, k, bias=torch.ones(n, dtype=torch.float64))
+    y.sum().backward()
+    torch.testing.assert_close(xr.grad, torch.ones(3, n) @ layout.dequantize(qw, gs, n, k, torch.float32))
+    with pytest.raises(ValueError, match="bias must be"):
+        torch.ops.qerl.linear(torch.randn(2, k), qw, gs, n, k, torch.ones(n + 1))
+    torch.library.opcheck(torch.ops.qerl.linear.default, (xr.detach().requires_grad_(True), qw, gs, n, k,
+                                                          torch.randn(n)))
+
+
 def test_fake_and_meta_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -199,7 +221,7 @@ def _check_linear(n, k, ms, kind="randn", seed=0, paths=(None,), tol=1e-2):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
             if path is None:
                 kernel.linear(x, qw, gs, n, k, out=out)
-                expect = kernel.BACKEND_KERNEL if m <= kernel.large_m_threshold() else kernel.BACKEND_DEQUANT
+                expect = kernel.BACKEND_KERNEL if ext.choose_path(m, n, k) == 0 else kernel.BACKEND_DEQUANT
                 assert kernel.last_backend() == expect
             else:
                 ext.linear_out(x, qw, gs, n, k, out, path)
@@ -223,7 +245,16 @@ def small_m_variant(request):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", SMOL + ODD + QWEN7B)
 def test_gpu_linear_small_m(n, k, small_m_variant):
-    _check_linear(n, k, SMALL_M, seed=n * 7 + k)
+    _check_linear(n, k, SMALL_M, seed=n * 7 + k, paths=(None, 0))  # auto, and the mma kernel at every M
+
+
+@pytest.mark.gpu
+def test_gpu_path_choice():
+    """auto: the mma kernel up to M = 64 except small weights from M = 32 (dequantize + cuBLAS measured faster)."""
+    _need_kernel()
+    ext = kernel._load()
+    assert ext.choose_path(16, 4608, 3584) == 0 and ext.choose_path(32, 4608, 3584) == 1
+    assert ext.choose_path(64, 37888, 3584) == 0 and ext.choose_path(65, 37888, 3584) == 1
 
 
 @pytest.mark.gpu
@@ -249,6 +280,78 @@ def test_gpu_v2_matches_default(n, k):
             assert rel_err(outs["v2"], outs["default"]) <= 1e-2
     finally:
         kernel.set_variant(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (200, 80), (3584, 18944)])
+def test_gpu_bias_epilogue_bit_exact(n, k, small_m_variant):
+    """The bias added in the kernel's epilogue (direct write and split-K reduction) equals ``linear + bias``."""
+    qw, gs = make_packed(n, k, device="cuda", seed=n + k)
+    b = (torch.randn(n, device="cuda") * 4).to(torch.bfloat16)
+    for m in (1, 5, 8, 13, 16, 33, 64, 65, 300):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernel.linear(x, qw, gs, n, k, out=out, bias=b)
+        assert torch.equal(out, kernel.linear(x, qw, gs, n, k) + b), (n, k, m)
+
+
+def _pdl_chain(x, weights, pdl: bool, graph: bool):
+    """x through a chain of packed linears (each output the next one's input), PDL on or off, eager or in a
+    CUDA graph; returns the last output."""
+    kernel.set_pdl(pdl)
+    try:
+        def run():
+            h = x
+            for qw, gs, n, k in weights:
+                h = kernel.linear(h, qw, gs, n, k)
+            return h
+        if not graph:
+            return run().clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = run()
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        return y.clone()
+    finally:
+        kernel.set_pdl(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_pdl_chain_identical(m, small_m_variant):
+    """Programmatic dependent launch changes timing only: a chain of dependent small-M linears (split-K and
+    stream-K ones included) gives bit-identical results with it on and off, eager and in a CUDA graph."""
+    shapes = [(4608, 3584), (3584, 4608), (18944, 3584), (3584, 18944), (576, 3584)]
+    weights = [(*make_packed(n, k, device="cuda", seed=i), n, k) for i, (n, k) in enumerate(shapes)]
+    x = torch.randn(m, 3584, device="cuda", dtype=torch.bfloat16) * 0.05
+    base = _pdl_chain(x, weights, pdl=False, graph=False)
+    assert not torch.isnan(base).any()
+    for graph in (False, True):
+        assert torch.equal(_pdl_chain(x, weights, pdl=True, graph=graph), base), graph
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_weight_written_just_before():
+    """A kernel launched with PDL only prefetches into L2 before the previous kernel is done: a weight buffer
+    that the kernel right before rewrites is read with its new values."""
+    _need_kernel()
+    n, k, m = 4608, 3584, 8
+    packs = [make_packed(n, k, device="cuda", seed=s) for s in range(4)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    expect = [kernel.linear(x, qw, gs, n, k) for qw, gs in packs]
+    buf, gbuf = torch.empty_like(packs[0][0]), torch.empty_like(packs[0][1])
+    for rep in range(3):
+        for i, (qw, gs) in enumerate(packs):
+            buf.copy_(qw)
+            gbuf.copy_(gs)
+            assert torch.equal(kernel.linear(x, buf, gbuf, n, k), expect[i]), (rep, i)
 
 
 @pytest.mark.gpu

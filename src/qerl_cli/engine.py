@@ -291,6 +291,15 @@ def _rehomed(bases: list, tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return w if at == w.shape[0] else None
 
 
+def _fused_bias(bases: list, device) -> torch.Tensor | None:
+    """The members' biases end to end (zeros for a member without one, in the others' dtype), or None."""
+    given = [b.bias for b in bases if b.bias is not None]
+    if not given:
+        return None
+    return torch.cat([b.bias.detach() if b.bias is not None else
+                      torch.zeros(b.out_features, dtype=given[0].dtype, device=device) for b in bases])
+
+
 class _Fused:
     """One matmul for a group of sibling linears (views of one weight buffer) and the slices of its output."""
 
@@ -303,9 +312,7 @@ class _Fused:
         if all(isinstance(b, PackedLinear) for b in bases):
             w = _rehomed(bases, [b.qweight for b in bases])
             w = torch.cat([b.qweight for b in bases]) if w is None else w
-            bias = None if all(b.bias is None for b in bases) else torch.cat([
-                b.bias.detach() if b.bias is not None else torch.zeros(b.out_features, device=w.device)
-                for b in bases])
+            bias = _fused_bias(bases, w.device)
             self.base = PackedLinear(w, bases[0].global_scale.clone(), sum(self.sizes), bases[0].in_features, bias)
             at = 0
             for b in bases:  # the members keep their values, now as views into the fused buffer
@@ -316,9 +323,7 @@ class _Fused:
         else:
             w = _rehomed(bases, [b.weight.detach() for b in bases])
             w = torch.cat([b.weight.detach() for b in bases]) if w is None else w
-            bias = None if all(b.bias is None for b in bases) else torch.cat([
-                b.bias.detach() if b.bias is not None else torch.zeros(b.out_features, dtype=w.dtype, device=w.device)
-                for b in bases])
+            bias = _fused_bias(bases, w.device)
             at = 0
             for b in bases:
                 b.weight.data = w[at: at + b.out_features]

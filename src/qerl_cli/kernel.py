@@ -17,13 +17,18 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 ``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``) for sm_90a plus generic sm_80/sm_89 code:
 
 * bf16 ``x`` with at most ``large_m_threshold()`` rows (default 64): the mma.sync kernel that streams the
-  packed weight and dequantizes in registers ("cuda-kernel");
-* larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
-  ("cuda-dequant-cublas"); ``linear_t`` always takes this path.
+  packed weight and dequantizes in registers ("cuda-kernel"), except weights of <= 4e7 entries from M = 32 on;
+* those, larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
+  ("cuda-dequant-cublas"); ``linear_t`` always takes this path. (``choose_path`` in the CUDA source.)
+* an optional frozen ``bias`` is added in the kernel's epilogue, after the product's bf16 rounding;
+* the small-M kernels (and the engine's fused kernels, ``csrc/fused_ops.cu``) launch with programmatic
+  dependent launch on sm_90 (``csrc/pdl.cuh``): a launch overlaps the end of the kernel before it and warms L2
+  with its first weight tiles; ``set_pdl(False)`` or ``QERL_PDL=0`` turns it off (results are identical).
 
 Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (the stream-K
-``"v2"`` kernel for weights of >= 1e8 entries at M <= 16, ``"alt"`` for smaller weights at M <= 8, ``"default"``
-otherwise; see ``auto_variant`` in the CUDA source). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in
+``"v2"`` kernel at M <= 16 for weights of >= 1e8 entries or >= 5120 rows, ``"alt"`` for smaller weights at
+M <= 8 and for weights of >= 1e8 entries at 32 < M <= 64, ``"default"`` otherwise; see ``auto_variant`` in the
+CUDA source). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in
 the environment (read when the extension loads) forces one: ``"default"`` is the original kernel, ``"alt"`` its
 alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
 tile) for M <= 16. All read the same tile records and have the same op signatures.
@@ -35,6 +40,7 @@ ticket buffer per (device, stream); do not run the same op concurrently on one s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -94,7 +100,11 @@ def build_extension(name: str, filename: str):
 
     arch = os.environ.get("QERL_KERNEL_ARCH_FLAGS")
     arch_flags = arch.split() if arch else list(_DEFAULT_ARCH_FLAGS)
-    return load(name=name, sources=[str(src)], extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
+    # torch's build cache hashes the listed source only: the headers it includes (csrc/*.cuh) enter the key
+    # through a define, so editing one rebuilds
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(src.parent.glob("*.cuh")))).hexdigest()[:16]
+    return load(name=name, sources=[str(src)],
+                extra_cuda_cflags=["-O3", "-lineinfo", f"-DQERL_HEADERS_SHA={headers}", *arch_flags],
                 extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
 
 
@@ -168,6 +178,18 @@ def set_variant(v: str) -> None:
     _variant = name
     if ext is not None:
         ext.set_variant(VARIANTS[name])
+
+
+def set_pdl(on: bool) -> None:
+    """Programmatic dependent launch (csrc/pdl.cuh) of the small-M kernels and of the engine's fused kernels
+    on or off, process-wide (default on, ``QERL_PDL=0`` off): with it a kernel launches while the one before it
+    finishes, warms L2 with its first weight tiles and waits for that one before touching memory. Results are
+    identical either way; only the timing changes. A no-op without the CUDA extensions."""
+    from . import fused
+
+    for ext in (_load(), fused._load()):
+        if ext is not None:
+            ext.set_pdl(bool(on))
 
 
 def available() -> bool:
@@ -246,50 +268,65 @@ def _gs(global_scale: torch.Tensor) -> torch.Tensor:
 _DEQUANT_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _check_bias(bias: torch.Tensor | None, x: torch.Tensor, n: int) -> None:
+    if bias is None:
+        return
+    if bias.dim() != 1 or bias.shape[0] != n or bias.dtype != x.dtype or bias.device != x.device:
+        raise ValueError(f"bias must be a [{n}] {x.dtype} tensor on {x.device}, "
+                         f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
+
+
 def _linear_into(x2: torch.Tensor, qweight: torch.Tensor, gs: torch.Tensor, n: int, k: int,
-                 out2: torch.Tensor) -> None:
+                 out2: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     ext = _use_kernel(x2) if x2.dtype in _DEQUANT_KERNEL_DTYPES or x2.device.type != "cuda" else None
     if ext is None:
-        out2.copy_(layout.reference_matmul(x2, qweight, gs, n, k))
+        y = layout.reference_matmul(x2, qweight, gs, n, k)
+        out2.copy_(y if bias is None else y.to(out2.dtype) + bias)
         _set_backend(BACKEND_REFERENCE)
         return
-    path = ext.linear_out(x2, qweight.contiguous(), _gs(gs), n, k, out2, -1)
+    path = ext.linear_out(x2, qweight.contiguous(), _gs(gs), n, k, out2, -1,
+                          None if bias is None else bias.contiguous())
     _set_backend(BACKEND_KERNEL if path == 0 else BACKEND_DEQUANT)
 
 
 @torch.library.custom_op("qerl::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _linear_op(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     _check_packed(qweight, global_scale, n, k)
     _check_act(x, k, "x", qweight)
+    _check_bias(bias, x, n)
     x2 = x.reshape(-1, k)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    _linear_into(x2, qweight, global_scale, n, k, out)
+    _linear_into(x2, qweight, global_scale, n, k, out, bias)
     return out.reshape(*x.shape[:-1], n)
 
 
 @_linear_op.register_fake
-def _(x, qweight, global_scale, n, k):
+def _(x, qweight, global_scale, n, k, bias=None):
     _check_packed(qweight, global_scale, n, k)
     _check_act(x, k, "x", qweight)
+    _check_bias(bias, x, n)
     return x.new_empty(*x.shape[:-1], n)
 
 
 @torch.library.custom_op("qerl::linear_out", mutates_args=("out",))
 def _linear_out_op(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     _check_packed(qweight, global_scale, n, k)
     _check_act(x, k, "x", qweight)
+    _check_bias(bias, x, n)
     expect = (*x.shape[:-1], n)
     if tuple(out.shape) != expect or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {expect} on {x.device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    _linear_into(x.reshape(-1, k), qweight, global_scale, n, k, out.view(-1, n))
+    _linear_into(x.reshape(-1, k), qweight, global_scale, n, k, out.view(-1, n), bias)
 
 
 @_linear_out_op.register_fake
-def _(x, qweight, global_scale, n, k, out):
+def _(x, qweight, global_scale, n, k, out, bias=None):
     _check_packed(qweight, global_scale, n, k)
     _check_act(x, k, "x", qweight)
+    _check_bias(bias, x, n)
     if tuple(out.shape) != (*x.shape[:-1], n):
         raise ValueError(f"out must have shape {(*x.shape[:-1], n)}, got {tuple(out.shape)}")
 
@@ -341,7 +378,7 @@ def _(qweight, global_scale, n, k, dtype):
 
 # autograd: d(x @ W^T)/dx = grad @ W and d(g @ W)/dg = g' @ W^T; the packed weight and its scale are frozen
 def _linear_setup(ctx, inputs, output):
-    _, qweight, global_scale, n, k = inputs
+    qweight, global_scale, n, k = inputs[1:5]
     ctx.save_for_backward(qweight, global_scale)
     ctx.n, ctx.k = n, k
 
@@ -350,7 +387,7 @@ def _linear_backward(ctx, grad):
     qweight, global_scale = ctx.saved_tensors
     gx = torch.ops.qerl.linear_t(grad.contiguous(), qweight, global_scale, ctx.n, ctx.k) \
         if ctx.needs_input_grad[0] else None
-    return gx, None, None, None, None
+    return gx, None, None, None, None, None  # the bias is frozen with the weight
 
 
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -368,14 +405,18 @@ _linear_t_op.register_autograd(_linear_t_backward, setup_context=_linear_setup) 
 
 # --------------------------------------------------------------------------------------------- API
 def linear(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int, *,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T`` for ``x [..., k]``: ``[..., n]`` in ``x.dtype`` (fp32 accumulation).
+           out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for ``x [..., k]``: ``[..., n]`` in ``x.dtype`` (fp32 accumulation).
 
-    With ``out`` (contiguous, ``[..., n]``, ``x.dtype``) the result is written there and ``out`` returned
-    (no autograd through that form)."""
+    ``bias`` (``[n]``, frozen: no gradient) is added after the product is rounded to ``x.dtype``, exactly as
+    ``linear(x, ...) + bias`` would, but inside the kernel's epilogue (one launch fewer). With ``out``
+    (contiguous, ``[..., n]``, ``x.dtype``) the result is written there and ``out`` returned (no autograd
+    through that form)."""
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
     if out is None:
-        return torch.ops.qerl.linear(x, qweight, global_scale, int(n), int(k))
-    torch.ops.qerl.linear_out(x, qweight, global_scale, int(n), int(k), out)
+        return torch.ops.qerl.linear(x, qweight, global_scale, int(n), int(k), bias)
+    torch.ops.qerl.linear_out(x, qweight, global_scale, int(n), int(k), out, bias)
     return out
 
 

@@ -47,14 +47,14 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = _matmul_backend() if x.is_cuda else None
-        if backend is not None:
-            y = backend.linear(x, self.qweight, self.global_scale, self.out_features, self.in_features)
-        else:
-            # CPU (tests, CI): the pure-torch reference, with the dequantized weight cached after first use —
-            # exactly the reference's values, computed once instead of per call.
-            if self._dense is None or self._dense.dtype != x.dtype:
-                self._dense = self.dequantized_weight(torch.float32).to(x.dtype)
-            y = (x @ self._dense.t()) if x.dtype == torch.float32 else (x.float() @ self._dense.float().t()).to(x.dtype)
+        if backend is not None:  # the bias is added in the kernel's epilogue (same rounding as `y + bias`)
+            return backend.linear(x, self.qweight, self.global_scale, self.out_features, self.in_features,
+                                  bias=self.bias)
+        # CPU (tests, CI): the pure-torch reference, with the dequantized weight cached after first use —
+        # exactly the reference's values, computed once instead of per call.
+        if self._dense is None or self._dense.dtype != x.dtype:
+            self._dense = self.dequantized_weight(torch.float32).to(x.dtype)
+        y = (x @ self._dense.t()) if x.dtype == torch.float32 else (x.float() @ self._dense.float().t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -1,0 +1,79 @@
+// Programmatic dependent launch (PDL, compute capability 9.0+) for the kernels of both qerl extensions.
+//
+// A kernel launched through qerl_pdl::launch may start while the kernel before it on the stream is still
+// running, as soon as every block of that one has called trigger() (or exited). Its blocks then run their
+// prologue (index math, shared-memory setup, L2 prefetches of the packed weight) and must call wait() before
+// they read anything an earlier kernel wrote or write anything at all: wait() returns once every earlier grid
+// has completed and its memory is visible. Before wait() only work that is correct whatever the earlier
+// kernels do is allowed: a prefetch into L2 is a hint (L2 is the point of coherence, so a later write by the
+// earlier kernel is still what the real load after wait() sees), a load of the weight itself is not.
+// Kernels launched without the attribute (or by torch) order as usual; on GPUs before sm_90 both calls compile
+// to nothing and launch() leaves the attribute off. QERL_PDL=0 turns the attribute off everywhere.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cuda_runtime.h>
+#include <utility>
+
+namespace qerl_pdl {
+
+__device__ __forceinline__ void trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// L2 prefetch of [p, p + bytes): bytes a multiple of 16, p 16-byte aligned (sm_90 bulk prefetch; nothing before)
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (bytes) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+#ifndef QERL_NO_TORCH
+// per process: QERL_PDL=0 turns it off; set_enabled() (tests, benchmarks) overrides
+inline int& enabled_flag() {
+  static int v = [] {
+    const char* e = std::getenv("QERL_PDL");
+    return (e && e[0] == '0') ? 0 : 1;
+  }();
+  return v;
+}
+
+inline bool device_supports(int dev) {
+  static int major[64] = {0};  // 0: not asked yet (benign race: every writer stores the same value)
+  if (dev < 0 || dev >= 64) return false;
+  if (major[dev] == 0) {
+    int v = 1;
+    cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev);
+    major[dev] = v;
+  }
+  return major[dev] >= 9;
+}
+
+// kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute where enabled and supported
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int dev,
+                   Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = (enabled_flag() && device_supports(dev)) ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
+}
+#endif
+
+}  // namespace qerl_pdl
