@@ -13,6 +13,8 @@
 #   6                              session 5: both extensions built, the kernel / fused / engine GPU tests, the
 #                                  small-M kernel bench (7B and 32B shapes, with and without PDL)
 #   7                              session 5: the 7B-shape rollout bench with profile and ablations (after 6, warm)
+#   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
+#                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
 #                                  over seeds); needs the runs of parts 2-3 on the same warm machine; then the
 #                                  real-SmolLM2 rollout bench
@@ -34,7 +36,7 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
 print('fused elementwise kernels available:', fused.available(), fused.build_error())" 2>&1 | tee "$OUT/build.log"
 }
 
-case "${1:?part 1, 2, 3, 4, 5, 6 or 7}" in
+case "${1:?part 1, 2, 3, 4, 5, 6, 7 or 8}" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 6 "kernels built"
@@ -44,6 +46,12 @@ case "${1:?part 1, 2, 3, 4, 5, 6 or 7}" in
   timeout 200 python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} --ms ${MS:-1,8,16,64} \
     --json "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v '^|'
   stamp 6 "kernel bench done"
+  ;;
+8)
+  build; stamp 8 "kernels built"
+  timeout 200 python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 --json "$OUT/rollout_7b_lora.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
+  stamp 8 "7B LoRA rollout bench done"
   ;;
 7)
   build; stamp 7 "kernels loaded"
