@@ -688,7 +688,7 @@ class Engine:
             before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above
             srt = srt.masked_fill(before >= cfg.top_p, -math.inf)  # the top token always stays
             zt = torch.full_like(zt, -math.inf).scatter(-1, idx, srt)
-        trunc = torch.log_softmax(zt, -1)
+        trunc = full if zt is z else torch.log_softmax(zt, -1)  # no truncation: the same distribution
         tok = torch.multinomial(trunc.exp(), 1, generator=gen).squeeze(1)
         return tok, trunc.gather(-1, tok[:, None]).squeeze(1), full.gather(-1, tok[:, None]).squeeze(1)
 
