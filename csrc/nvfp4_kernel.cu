@@ -1,18 +1,18 @@
 // NVFP4 (E2M1 codes + e4m3 scale per 16 inputs + fp32 tensor scale G, a divisor) x BF16 kernels.
 //
-// Reads the packed layout of src/qerl_cli/layout.py ("qerl-nvfp4-tile16x64-v1"):
+// Reads the packed layout of src/qerl_cli/layout.py ("qerl-nvfp4-tile16x64-v2"):
 //   qweight uint8 [N_pad/16, K_pad/64, 576]: one record per 16 output rows x 64 inputs,
 //   bytes [0,512): codes; lane L (g = L>>2, t = L&3) owns bytes [16L, 16L+16) = four uint32 words,
-//   word j for inputs 16j..16j+15 of the tile; nibble i = p + 4h of a word is the mma.m16n8k16
-//   A-fragment element (register p, half h): p=0 (row g, col 2t+h), p=1 (row g+8, col 2t+h),
-//   p=2 (row g, col 2t+8+h), p=3 (row g+8, col 2t+8+h).
+//   word j for inputs 16j..16j+15 of the tile, holding the mma.m16n8k16 A-fragment elements (register p, half h):
+//   p=0 (row g, col 2t+h), p=1 (row g+8, col 2t+h), p=2 (row g, col 2t+8+h), p=3 (row g+8, col 2t+8+h), their
+//   bits placed so that csrc/nvfp4_decode.cuh makes each register in 1-3 instructions.
 //   bytes [512,576): e4m3 scales, byte 512 + 8g + 2j + r = scale of row g+8r, 16-input group j.
 //
 // Kernels
 //   * nvfp4_mma_kernel  (small M, decode): out^T = W x^T with the weight tile as the A operand of
 //     mma.sync.m16n8k16 (bf16 in, fp32 accumulate) and activations (tokens) as the 8 B columns.
-//     E2M1 -> bf16 in registers: the sign / exponent / mantissa bits of each code are dropped into a
-//     bf16's sign, low exponent bits and top mantissa bit, which yields value * 2^-126 (the 0.5
+//     E2M1 -> bf16 in registers (csrc/nvfp4_decode.cuh): the sign / exponent / mantissa bits of each code land
+//     in a bf16's sign, low exponent bits and top mantissa bit, which yields value * 2^-126 (the 0.5
 //     subnormal included); the e4m3 block scale is converted to bf16 as s * 2^64 (exact), one
 //     bf16x2 multiply per fragment register gives value * s * 2^-62 exactly (a product of a
 //     2-bit and a 4-bit significand), and the fp32 factor 2^62 / G is applied when the
@@ -29,6 +29,7 @@
 
 #include <type_traits>
 
+#include "nvfp4_decode.cuh"
 #include "pdl.cuh"
 
 #ifndef QERL_NO_TORCH
@@ -67,17 +68,6 @@ __device__ __forceinline__ void load_tile(WTile& w, const uint8_t* rec, int lane
 
 __device__ __forceinline__ uint32_t bf2u(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 u2bf(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
-
-// Fragment register P (two E2M1 codes, low half = smaller column) of a code word -> bf16x2 holding
-// value * 2^-126. src is the word for P = 0, 1 and the word >> 8 for P = 2, 3. The isolated nibble pair
-// times (2^(12-4q) + 2^(6-4q)) puts the sign at bit 15 and e1 e0 m at bits 8..6 of each half (the two
-// shifted copies occupy disjoint bits, so the product has no carries); the mask drops the rest.
-template <int Q>
-__device__ __forceinline__ uint32_t e2m1x2_bits(uint32_t src) {
-  constexpr uint32_t kMask = 0x000F000Fu << (4 * Q);
-  constexpr uint32_t kMul = Q == 0 ? ((1u << 12) + (1u << 6)) : ((1u << 8) + (1u << 2));
-  return ((src & kMask) * kMul) & 0x81C081C0u;
-}
 
 // Two e4m3 scales (bytes 2jj, 2jj+1 of sw: rows g and g+8) -> bf16x2 {s_g, s_g8} * 2^64, exact.
 // (b & 0x7f) << 4 as bf16 bits is s * 2^-120 (e4m3 subnormals become bf16 subnormals, also exact);
@@ -135,11 +125,10 @@ __device__ __forceinline__ uint32_t subtile_word(const WTile& t, int j) {
 
 // The four A-fragment registers of one sub-tile word: E2M1 pairs -> bf16x2, times the row scales (row g, g + 8).
 __device__ __forceinline__ void decode_subtile(uint32_t* a, uint32_t w, __nv_bfloat162 s_lo, __nv_bfloat162 s_hi) {
-  const uint32_t w8 = w >> 8;
-  a[0] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w)), s_lo));
-  a[1] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w)), s_hi));
-  a[2] = bf2u(__hmul2(u2bf(e2m1x2_bits<0>(w8)), s_lo));
-  a[3] = bf2u(__hmul2(u2bf(e2m1x2_bits<1>(w8)), s_hi));
+  a[0] = bf2u(__hmul2(u2bf(qerl_decode::reg<0>(w)), s_lo));
+  a[1] = bf2u(__hmul2(u2bf(qerl_decode::reg<1>(w)), s_hi));
+  a[2] = bf2u(__hmul2(u2bf(qerl_decode::reg<2>(w)), s_lo));
+  a[3] = bf2u(__hmul2(u2bf(qerl_decode::reg<3>(w)), s_hi));
 }
 
 // The MMAs of one 32-input half (two sub-tiles) against every token group: B fragments from shared memory.
@@ -658,9 +647,6 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t b) {
   // exponent/mantissa bits placed at fp32 bits 30..20: s * 2^-120 (fp32 subnormal for e4m3 subnormals)
   return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
 }
-__device__ __forceinline__ float e2m1_to_float(uint32_t c) {
-  return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 0x1p126f;
-}
 
 constexpr int kDqTiles = 8;  // K tiles per CTA
 
@@ -689,8 +675,9 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         const float sg = (p & 1) ? sg1 : sg0;
-        const float v0 = e2m1_to_float(words[j] >> (4 * p)) * sg;         // h = 0
-        const float v1 = e2m1_to_float(words[j] >> (4 * p + 16)) * sg;    // h = 1
+        const uint32_t v = qerl_decode::reg_at(words[j], p);  // two codes as value * 2^-126 (bf16 bits)
+        const float v0 = __uint_as_float(v << 16) * 0x1p126f * sg;         // h = 0 (exact until * sg)
+        const float v1 = __uint_as_float(v & 0xFFFF0000u) * 0x1p126f * sg;  // h = 1
         const int row = g + 8 * (p & 1);
         const int col = warp * 64 + 16 * j + 2 * t + 8 * (p >> 1);
         store2<T>(&tile[row * LD + col], v0, v1);

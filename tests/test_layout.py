@@ -1,10 +1,11 @@
 """The packed tile layout (src/qerl_cli/layout.py): round trips, hand-checked positions, padding, reference matmul.
 
 Positions are recomputed here from the module docstring's table, independently of layout.py's own tables:
-lane L = 4g + t owns bytes [16L, 16L + 16) as four little-endian uint32 words (word j = sub-tile j); nibble i of
-a word (bits 4i..4i+3, so byte i // 2 of the word, high half when i is odd) holds a[p, h], p = i % 4, h = i // 4,
-at tile row g + 8 * (p % 2) and sub-tile column 2t + h + 8 * (p // 2). Scale byte 512 + 8g + 2j + r serves row
-g + 8r of sub-tile j.
+lane L = 4g + t owns bytes [16L, 16L + 16) as four little-endian uint32 words (word j = sub-tile j); a word holds
+a[p, h] (tile row g + 8 * (p % 2), sub-tile column 2t + h + 8 * (p // 2)) with its code bit b at the word bit the
+docstring gives for p (T, T - 10, T - 13 mod 32, or 16h + (4, 0, 1, 3)[b]; T = 16h + (6, 7, 8, 15)[b]), so that
+the kernel's four register formulas yield each register's two codes in bf16 bit positions. Scale byte
+512 + 8g + 2j + r serves row g + 8r of sub-tile j.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from qerl_cli import layout, nvfp4
 E4M3 = torch.float8_e4m3fn
 
 
-def _docstring_code_address(row: int, col: int) -> tuple[int, int, int, bool]:
-    """(row tile, k tile, byte in the record, high nibble?) of weight (row, col), from the docstring table."""
+def _docstring_code_address(row: int, col: int) -> tuple[int, int, int, int, int]:
+    """(row tile, k tile, first byte of the word in the record, p, h) of weight (row, col), from the docstring."""
     nt, r = divmod(row, 16)
     kt, c = divmod(col, 64)
     j, cc = divmod(c, 16)
@@ -26,10 +27,24 @@ def _docstring_code_address(row: int, col: int) -> tuple[int, int, int, bool]:
     pcol, rest = divmod(cc, 8)  # p // 2
     t, h = divmod(rest, 2)
     p = prow + 2 * pcol
-    i = p + 4 * h
     lane = 4 * g + t
-    byte = 16 * lane + 4 * j + i // 2
-    return nt, kt, byte, bool(i % 2)
+    return nt, kt, 16 * lane + 4 * j, p, h
+
+
+def _docstring_bit(p: int, h: int, b: int) -> int:
+    """The word bit of code bit b (0 = m, 1 = e0, 2 = e1, 3 = sign) of element (p, h), from the docstring."""
+    t = 16 * h + (6, 7, 8, 15)[b]
+    return (t, (t - 10) % 32, (t - 13) % 32, 16 * h + (4, 0, 1, 3)[b])[p]
+
+
+def _word(q: torch.Tensor, nt: int, kt: int, at: int) -> int:
+    return int.from_bytes(bytes(q[nt, kt, at: at + 4].tolist()), "little")
+
+
+def _docstring_code(q: torch.Tensor, row: int, col: int) -> int:
+    nt, kt, at, p, h = _docstring_code_address(row, col)
+    w = _word(q, nt, kt, at)
+    return sum(((w >> _docstring_bit(p, h, b)) & 1) << b for b in range(4))
 
 
 def _docstring_scale_address(row: int, group: int) -> tuple[int, int, int]:
@@ -76,9 +91,7 @@ def test_every_position_matches_docstring(n, k):
     q = layout.pack(codes, scales)
     for row in range(n):
         for col in range(k):
-            nt, kt, b, high = _docstring_code_address(row, col)
-            byte = int(q[nt, kt, b])
-            assert (byte >> 4 if high else byte & 0xF) == int(codes[row, col]), (row, col)
+            assert _docstring_code(q, row, col) == int(codes[row, col]), (row, col)
         for grp in range(k // 16):
             nt, kt, b = _docstring_scale_address(row, grp)
             assert int(q[nt, kt, b]) == int(scales.view(torch.uint8)[row, grp]), (row, grp)
@@ -89,47 +102,69 @@ def test_hand_checked_positions():
     n, k = 32, 128
     codes = torch.zeros(n, k, dtype=torch.uint8)
     scales = torch.zeros(n, k // 16, dtype=torch.uint8)
-    # (0, 0): lane 0, word 0, nibble 0 -> byte 0, low nibble
+    # (0, 0): lane 0, word 0, p = 0, h = 0: code 0x3 = m and e0 -> word bits 6, 7
     codes[0, 0] = 0x3
-    # (0, 1): h = 1 -> nibble 4 -> byte 2, low nibble
+    # (0, 1): h = 1: code 0x5 = m and e1 -> word bits 22, 24
     codes[0, 1] = 0x5
-    # (8, 0): p = 1 -> nibble 1 -> byte 0, high nibble
+    # (8, 0): p = 1, h = 0: code 0x9 = m and sign -> bits (6 - 10) mod 32 = 28 and 15 - 10 = 5
     codes[8, 0] = 0x9
-    # (9, 47): g=1, p=3, t=3, h=1, j=2 -> lane 7, nibble 7 -> byte 16*7 + 4*2 + 3 = 123, high nibble
+    # (9, 47): g = 1, p = 3, t = 3, h = 1, j = 2 -> lane 7, word at byte 16 * 7 + 8 = 120; code 0xA = e0 and
+    # sign -> bits 16 + 0 = 16 and 16 + 3 = 19
     codes[9, 47] = 0xA
-    # (0, 10): sub-tile col 10 -> p//2 = 1, t = 1, h = 0 -> p = 2, i = 2, lane 1 -> byte 16 + 1 = 17, low nibble
+    # (0, 10): sub-tile col 10 -> p = 2, t = 1, h = 0 -> lane 1, word at byte 16; code 0x6 = e0, e1 -> bits
+    # (7 - 13) mod 32 = 26 and (8 - 13) mod 32 = 27
     codes[0, 10] = 0x6
-    # (17, 64): second row tile, second k tile, local (1, 0): lane 4 -> byte 64, low nibble
+    # (17, 64): second row tile, second k tile, local (1, 0): lane 4, word at byte 64; code 0xC = e1 and sign at
+    # p = 0 -> bits 8 and 15
     codes[17, 64] = 0xC
     # scales: row 13 (g=5, r=1), group 3 -> byte 512 + 40 + 6 + 1 = 559; row 16 group 4 -> tile (1, 1) byte 512
     scales[13, 3] = 0x38
     scales[16, 4] = 0x40
     q = layout.pack(codes, scales.view(E4M3))
-    assert int(q[0, 0, 0]) == 0x93
-    assert int(q[0, 0, 2]) == 0x05
-    assert int(q[0, 0, 123]) == 0xA0
-    assert int(q[0, 0, 17]) == 0x06
-    assert int(q[1, 1, 64]) == 0x0C
+    bits = lambda *b: sum(1 << x for x in b)  # noqa: E731
+    assert _word(q, 0, 0, 0) == bits(6, 7, 22, 24, 28, 5)
+    assert _word(q, 0, 0, 120) == bits(16, 19)
+    assert _word(q, 0, 0, 16) == bits(26, 27)
+    assert _word(q, 1, 1, 64) == bits(8, 15)
     assert int(q[0, 0, 559]) == 0x38
     assert int(q[1, 1, 512]) == 0x40
     # nothing else is set
-    assert int((q != 0).sum()) == 7
+    assert int((q[..., :512] != 0).sum()) == 6 and int((q[..., 512:] != 0).sum()) == 2
+
+
+def _rotl(w: int, r: int) -> int:
+    return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF if r else w
+
+
+def _bf16_pattern(lo: int, hi: int) -> int:
+    """Two E2M1 codes as the kernel's bf16x2 register bits (value * 2^-126): sign at 15, e1 e0 m at 8..6."""
+    one = lambda c: ((c & 8) << 12) | ((c & 7) << 6)  # noqa: E731
+    return one(lo) | (one(hi) << 16)
 
 
 def test_a_lanes_word_feeds_fragment_registers():
-    """``(word >> 4p) & 0x000F000F`` yields register p's two elements (low half = smaller column)."""
+    """The kernel's four formulas turn a word into fragment registers p = 0..3 (low half = smaller column)."""
+    mask = 0x81C081C0
     codes, scales = _random_case(16, 64, seed=3)
     q = layout.pack(codes, scales)
     for lane in (0, 5, 31):
         g, t = lane >> 2, lane & 3
         for j in range(4):
-            word = int.from_bytes(bytes(q[0, 0, 16 * lane + 4 * j: 16 * lane + 4 * j + 4].tolist()), "little")
+            w = _word(q, 0, 0, 16 * lane + 4 * j)
+            regs = [w & mask, _rotl(w, 10) & mask, _rotl(w, 13) & mask,
+                    (((w & 0x001B001B) * 0x1084) & 0xFFFFFFFF) & mask]
             for p in range(4):
-                reg = (word >> (4 * p)) & 0x000F000F
                 row = g + 8 * (p % 2)
                 col = 16 * j + 2 * t + 8 * (p // 2)
-                assert reg & 0xF == int(codes[row, col])
-                assert reg >> 16 == int(codes[row, col + 1])
+                assert regs[p] == _bf16_pattern(int(codes[row, col]), int(codes[row, col + 1])), (lane, j, p)
+
+
+def test_bf16_pattern_is_the_value():
+    """value * 2^-126 in bf16 bits, for all 16 codes (the bit trick the register formulas rely on)."""
+    values = nvfp4.e2m1_table(dtype=torch.float32)
+    for c in range(16):
+        v = torch.tensor([_bf16_pattern(c, 0) << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+        assert v * 2.0**126 == float(values[c]), c
 
 
 @pytest.mark.parametrize("n,k", [(20, 48), (17, 80), (1, 16), (100, 144)])
@@ -141,10 +176,7 @@ def test_padding_is_zero(n, k):
     real = torch.zeros_like(q, dtype=torch.bool)
     for row in range(np_):
         for col in range(kp):
-            nt, kt, b, high = _docstring_code_address(row, col)
-            byte = int(q[nt, kt, b])
-            nib = byte >> 4 if high else byte & 0xF
-            assert nib == (0xF if row < n and col < k else 0), (row, col)
+            assert _docstring_code(q, row, col) == (0xF if row < n and col < k else 0), (row, col)
         for grp in range(kp // 16):
             nt, kt, b = _docstring_scale_address(row, grp)
             assert int(q[nt, kt, b]) == (0x7E if row < n and grp < k // 16 else 0), (row, grp)

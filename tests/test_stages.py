@@ -261,3 +261,18 @@ def test_verify_catches_planted_corruption(tiny_pipeline, tmp_path, monkeypatch,
     rt = report["checks"]["3_round_trip"]
     assert rt["passed"] is False
     assert rt["problems"] == [f"{target}: {problem}"]
+
+
+def test_pack_of_another_layout_version_is_refused(tiny_pipeline, tmp_path, monkeypatch):
+    """A pack written by a qerl with another record layout (v1 before session 5) is refused in one sentence."""
+    from qerl_cli import packed_model
+    from qerl_cli.errors import QerlError
+
+    quant = tmp_path / "quant"
+    shutil.copytree(tiny_pipeline["quant"], quant)
+    monkeypatch.setattr(layout, "LAYOUT_NAME", "qerl-nvfp4-tile16x64-v1")
+    pack_mod.pack(quant, tmp_path / "packed", progress=False)
+    monkeypatch.undo()
+    with pytest.raises(QerlError, match="uses packed layout 'qerl-nvfp4-tile16x64-v1'; this qerl reads "
+                                        "qerl-nvfp4-tile16x64-v2"):
+        packed_model.load_packed_model(artifact.open_artifact(tmp_path / "packed", "packed"))

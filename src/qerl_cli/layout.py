@@ -15,8 +15,8 @@ The kernel computes ``out^T = W · x^T`` with the weight tile as the **A operand
 
 ``bytes [0, 512)`` — codes. Lane ``L`` (``g = L >> 2``, ``t = L & 3``) owns bytes ``[16L, 16L + 16)``:
 four little-endian uint32 words, word ``j`` for the 16-input sub-tile ``j`` (inputs ``64·kt + 16j …``).
-Nibble ``i`` of a word (bits ``4i…4i+3``) holds the A-fragment element ``a[p, h]`` with ``p = i % 4`` and
-``h = i // 4``:
+A word holds the eight A-fragment elements ``a[p, h]`` (``p`` = fragment register 0..3, ``h`` = its low or
+high half) of this lane:
 
 ======  =================  ======================
 ``p``   row in the tile     column in the sub-tile
@@ -27,8 +27,16 @@ Nibble ``i`` of a word (bits ``4i…4i+3``) holds the A-fragment element ``a[p, 
 3       ``g + 8``           ``2t + 8 + h``
 ======  =================  ======================
 
-so ``(word >> 4p) & 0x000F000F`` puts the two elements of fragment register ``p`` in the low and high
-16-bit halves (low = smaller column), ready for the E2M1 → bf16 bit trick.
+Their bits are scattered so that the kernel makes each bf16×2 register (``value · 2^-126``: sign at bit
+``15 + 16h``, e1 e0 m at bits ``8..6 + 16h``, mask ``0x81C081C0``) in one to three instructions
+(``benchmarks/decode_layout_search.py`` found the placement by exhaustive search):
+
+* ``p = 0``: ``w & 0x81C081C0`` — code bit ``b`` (0 = m, 1 = e0, 2 = e1, 3 = sign) of half ``h`` sits at word
+  bit ``T(h, b) = 16h + (6, 7, 8, 15)[b]``;
+* ``p = 1``: ``rotl(w, 10) & 0x81C081C0`` — at bit ``(T(h, b) - 10) mod 32``;
+* ``p = 2``: ``rotl(w, 13) & 0x81C081C0`` — at bit ``(T(h, b) - 13) mod 32``;
+* ``p = 3``: ``((w & 0x001B001B) · 0x1084) & 0x81C081C0`` — at bits ``16h + (4, 0, 1, 3)[b]`` (the three
+  shifted copies, by 2, 7 and 12, never overlap, so the product has no carries).
 
 ``bytes [512, 576)`` — the e4m3 block scales of the tile: byte ``512 + 8g + 2j + r`` is the scale of row
 ``g + 8r`` for sub-tile ``j`` (one 16-input group). A lane reads its 8 scale bytes with one 8-byte load
@@ -51,7 +59,7 @@ TILE_K = 64
 CODE_BYTES = 512
 SCALE_BYTES = 64
 RECORD_BYTES = CODE_BYTES + SCALE_BYTES
-LAYOUT_NAME = "qerl-nvfp4-tile16x64-v1"
+LAYOUT_NAME = "qerl-nvfp4-tile16x64-v2"  # v2 (session 5): the bit placement above; v1 held element (p, h) in nibble p + 4h
 
 
 def padded_shape(n: int, k: int) -> tuple[int, int]:
@@ -60,7 +68,7 @@ def padded_shape(n: int, k: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=None)
 def _code_positions() -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) inside a 16×64 tile for each of the 1024 nibbles, in storage order (lane, word, nibble)."""
+    """(row, col) inside a 16×64 tile of each of the 1024 codes, in order (lane, word, element e = p + 4h)."""
     rows, cols = [], []
     for lane in range(32):
         g, t = lane >> 2, lane & 3
@@ -70,6 +78,26 @@ def _code_positions() -> tuple[torch.Tensor, torch.Tensor]:
                 rows.append(g + 8 * (p % 2))
                 cols.append(16 * j + 2 * t + h + 8 * (p // 2))
     return torch.tensor(rows), torch.tensor(cols)
+
+
+def _target_bit(h: int, b: int) -> int:
+    return 16 * h + (6, 7, 8, 15)[b]
+
+
+@lru_cache(maxsize=None)
+def word_bit_positions() -> tuple[tuple[int, ...], ...]:
+    """``[e][b]``: the word bit holding code bit ``b`` of element ``e = p + 4h`` (the table in the docstring)."""
+    pos = []
+    for e in range(8):
+        p, h = e % 4, e // 4
+        row = []
+        for b in range(4):
+            t = _target_bit(h, b)
+            row.append(t if p == 0 else (t - 10) % 32 if p == 1 else (t - 13) % 32 if p == 2
+                       else 16 * h + (4, 0, 1, 3)[b])
+        pos.append(tuple(row))
+    assert sorted(q for r in pos for q in r) == list(range(32))  # a permutation of the word's bits
+    return tuple(pos)
 
 
 @lru_cache(maxsize=None)
@@ -100,8 +128,13 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # tiles: [nt, kt, 16, 64]
     tiles = c.reshape(nt, TILE_N, kt, TILE_K).permute(0, 2, 1, 3)
     r, col = _code_positions()
-    nib = tiles[:, :, r.to(c.device), col.to(c.device)]  # [nt, kt, 1024]
-    code_bytes = nib[..., 0::2] | (nib[..., 1::2] << 4)  # [nt, kt, 512]
+    nib = tiles[:, :, r.to(c.device), col.to(c.device)].reshape(nt, kt, 128, 8).to(torch.int64)  # 8 per word
+    words = torch.zeros(nt, kt, 128, dtype=torch.int64, device=c.device)
+    for e, row in enumerate(word_bit_positions()):
+        for b, q in enumerate(row):
+            words |= ((nib[..., e] >> b) & 1) << q
+    shifts = torch.arange(0, 32, 8, device=c.device)
+    code_bytes = ((words[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(nt, kt, CODE_BYTES)  # little-endian
     stiles = s.reshape(nt, TILE_N, kt, 4).permute(0, 2, 1, 3)  # [nt, kt, 16, 4]
     sr, sg = _scale_positions()
     scale_bytes = stiles[:, :, sr.to(c.device), sg.to(c.device)]  # [nt, kt, 64]
@@ -113,8 +146,13 @@ def unpack(qweight: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.T
     nt, kt, rec = qweight.shape
     if rec != RECORD_BYTES or padded_shape(n, k) != (nt * TILE_N, kt * TILE_K):
         raise ValueError(f"packed weight of shape {tuple(qweight.shape)} does not hold a [{n}, {k}] matrix")
-    cb = qweight[..., :CODE_BYTES]
-    nib = torch.stack([cb & 0x0F, cb >> 4], dim=-1).reshape(nt, kt, 2 * CODE_BYTES)
+    cb = qweight[..., :CODE_BYTES].reshape(nt, kt, 128, 4).to(torch.int64)
+    words = cb[..., 0] | (cb[..., 1] << 8) | (cb[..., 2] << 16) | (cb[..., 3] << 24)
+    nib = torch.zeros(nt, kt, 128, 8, dtype=torch.int64, device=qweight.device)
+    for e, row in enumerate(word_bit_positions()):
+        for b, q in enumerate(row):
+            nib[..., e] |= ((words >> q) & 1) << b
+    nib = nib.to(torch.uint8).reshape(nt, kt, 2 * CODE_BYTES)
     tiles = torch.empty(nt, kt, TILE_N, TILE_K, dtype=torch.uint8, device=qweight.device)
     r, col = _code_positions()
     tiles[:, :, r.to(qweight.device), col.to(qweight.device)] = nib
