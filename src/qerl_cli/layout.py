@@ -101,6 +101,13 @@ def word_bit_positions() -> tuple[tuple[int, ...], ...]:
 
 
 @lru_cache(maxsize=None)
+def _spread_table() -> torch.Tensor:
+    """int64 ``[8, 16]``: code ``c`` of element ``e`` with its bits moved to their word positions."""
+    return torch.tensor([[sum(((c >> b) & 1) << q for b, q in enumerate(row)) for c in range(16)]
+                         for row in word_bit_positions()], dtype=torch.int64)
+
+
+@lru_cache(maxsize=None)
 def _scale_positions() -> tuple[torch.Tensor, torch.Tensor]:
     """(row, group) inside a tile for each of the 64 scale bytes, in storage order (g, j, r)."""
     rows, groups = [], []
@@ -129,10 +136,10 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     tiles = c.reshape(nt, TILE_N, kt, TILE_K).permute(0, 2, 1, 3)
     r, col = _code_positions()
     nib = tiles[:, :, r.to(c.device), col.to(c.device)].reshape(nt, kt, 128, 8).to(torch.int64)  # 8 per word
+    spread = _spread_table().to(c.device)  # [8, 16]: element e's code as its bits in the word
     words = torch.zeros(nt, kt, 128, dtype=torch.int64, device=c.device)
-    for e, row in enumerate(word_bit_positions()):
-        for b, q in enumerate(row):
-            words |= ((nib[..., e] >> b) & 1) << q
+    for e in range(8):
+        words |= spread[e][nib[..., e]]
     shifts = torch.arange(0, 32, 8, device=c.device)
     code_bytes = ((words[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(nt, kt, CODE_BYTES)  # little-endian
     stiles = s.reshape(nt, TILE_N, kt, 4).permute(0, 2, 1, 3)  # [nt, kt, 16, 4]
