@@ -6,7 +6,7 @@
 // which is exactly the E2M1 value scaled by 2^-126 (the 0.5 subnormal included). The layout puts each code's bits
 // where one of these formulas finds them: 8 integer instructions per word (a plain lop3, two funnel-shift + lop3
 // pairs, and mask / multiply / mask, whose three shifted copies by 2, 7 and 12 never overlap, so no carries).
-// Host and device: tests/test_decode_host.py runs these very functions on the CPU against the Python packer.
+// Host and device: tests/test_layout.py runs these very functions on the CPU against the Python packer.
 #pragma once
 
 #include <cstdint>

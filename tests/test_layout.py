@@ -1,4 +1,5 @@
-"""The packed tile layout (src/qerl_cli/layout.py): round trips, hand-checked positions, padding, reference matmul.
+"""The packed tile layout (src/qerl_cli/layout.py): round trips, hand-checked positions, padding, reference matmul,
+and the kernel's decode header (csrc/nvfp4_decode.cuh, compiled for the host with nvcc) against the packer.
 
 Positions are recomputed here from the module docstring's table, independently of layout.py's own tables:
 lane L = 4g + t owns bytes [16L, 16L + 16) as four little-endian uint32 words (word j = sub-tile j); a word holds
@@ -9,6 +10,10 @@ the kernel's four register formulas yield each register's two codes in bf16 bit 
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +221,60 @@ def test_pack_rejects_bad_shapes():
         layout.unpack(q, 32, 64)
     with pytest.raises(ValueError):
         layout.unpack(q[..., :512], 16, 64)
+
+
+# ------------------------------------------ the CUDA decode header, compiled for the host, against the packer
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+PROGRAM = r"""
+#include <cstdio>
+#include "nvfp4_decode.cuh"
+int main() {
+  unsigned w;
+  while (std::scanf("%x", &w) == 1)
+    std::printf("%08x %08x %08x %08x\n", qerl_decode::reg<0>(w), qerl_decode::reg<1>(w), qerl_decode::reg<2>(w),
+                qerl_decode::reg_at(w, 3));
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    d = tmp_path_factory.mktemp("decode")
+    (d / "main.cu").write_text(PROGRAM)
+    subprocess.run([nvcc, "-std=c++17", "-I", str(CSRC), "-o", str(d / "decode"), str(d / "main.cu")], check=True,
+                   capture_output=True, timeout=300)
+    return d / "decode"
+
+
+def test_header_decodes_what_the_packer_writes(decoder):
+    gen = torch.Generator().manual_seed(5)
+    n, k = 32, 128
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code at least once
+    scales = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
+    q = layout.pack(codes, scales)
+    words, expect = [], []
+    for nt in range(q.shape[0]):
+        for kt in range(q.shape[1]):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for j in range(4):
+                    at = 16 * lane + 4 * j
+                    words.append(_word(q, nt, kt, at))
+                    regs = []
+                    for p in range(4):
+                        row = 16 * nt + g + 8 * (p % 2)
+                        col = 64 * kt + 16 * j + 2 * t + 8 * (p // 2)
+                        regs.append(_bf16_pattern(int(codes[row, col]), int(codes[row, col + 1])))
+                    expect.append(regs)
+    out = subprocess.run([str(decoder)], input="\n".join(f"{w:08x}" for w in words), capture_output=True,
+                         text=True, check=True, timeout=60).stdout.split("\n")
+    got = [[int(v, 16) for v in line.split()] for line in out if line.strip()]
+    assert len(got) == len(expect) == 2 * 2 * 32 * 4
+    bad = [(i, [hex(v) for v in g], [hex(v) for v in e]) for i, (g, e) in enumerate(zip(got, expect)) if g != e]
+    assert not bad, bad[:3]
