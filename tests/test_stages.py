@@ -274,5 +274,13 @@ def test_pack_of_another_layout_version_is_refused(tiny_pipeline, tmp_path, monk
     pack_mod.pack(quant, tmp_path / "packed", progress=False)
     monkeypatch.undo()
     with pytest.raises(QerlError, match="uses packed layout 'qerl-nvfp4-tile16x64-v1'; this qerl reads "
-                                        "qerl-nvfp4-tile16x64-v2"):
+                                        "qerl-nvfp4-tile16x64-v2: re-run `qerl pack`"):
         packed_model.load_packed_model(artifact.open_artifact(tmp_path / "packed", "packed"))
+    # the real command: verify says the same (before comparing any record), exits 1 and writes no artifact
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "qerl_cli.cli", "verify", str(tmp_path / "packed"), "--no-progress",
+                          "-o", str(tmp_path / "v")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "uses packed layout" in res.stdout + res.stderr, (res.stdout, res.stderr)
+    assert not (tmp_path / "v").exists()

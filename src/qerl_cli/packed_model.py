@@ -100,13 +100,20 @@ def _load_rest(model, tensors: dict[str, torch.Tensor], skip: set[str], dtype: t
         model.tie_weights()
 
 
+def packed_index(art: Artifact) -> dict:
+    """The ``packed.json`` of a packed artifact, after checking that its record layout is the one this qerl reads."""
+    index = json.loads(art.file(names.PACKED_INDEX).read_text())
+    if index.get("layout") != layout.LAYOUT_NAME:
+        raise QerlError(f"{art.path} uses packed layout '{index.get('layout')}'; this qerl reads {layout.LAYOUT_NAME}: "
+                        f"re-run `qerl pack` on its quant artifact.")
+    return index
+
+
 def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                       tensors: dict[str, torch.Tensor] | None = None):
     """The model of a ``packed`` artifact with every quantized Linear replaced by :class:`PackedLinear`
     (``tensors``: the artifact's weights when the caller has already read them)."""
-    index = json.loads(art.file(names.PACKED_INDEX).read_text())
-    if index.get("layout") != layout.LAYOUT_NAME:
-        raise QerlError(f"{art.path} uses packed layout '{index.get('layout')}'; this qerl reads {layout.LAYOUT_NAME}.")
+    index = packed_index(art)
     if tensors is None:
         tensors = load_file(str(art.file(names.MODEL_WEIGHTS)))
     model = _skeleton(art.path, dtype)

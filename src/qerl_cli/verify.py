@@ -24,7 +24,7 @@ from rich.table import Table
 from . import artifact, config, layout, names, nvfp4, ui
 from .errors import QerlError
 from .pack import check_linear, load_checkpoint, quant_linears
-from .packed_model import load_dequantized_model, load_packed_model
+from .packed_model import load_dequantized_model, load_packed_model, packed_index
 
 
 @dataclass
@@ -225,7 +225,7 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
 
         ref_tensors = load_checkpoint(q)
         packed_tensors = load_file(str(p.file(names.MODEL_WEIGHTS)))
-        index = json.loads(p.file(names.PACKED_INDEX).read_text())
+        index = packed_index(p)
         round_trip = check_round_trip(packed_tensors, index, ref_tensors, lineage_ok)
         act_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
         pmodel = load_packed_model(p, act_dtype, cfg.device, tensors=packed_tensors)
