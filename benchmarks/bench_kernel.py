@@ -169,8 +169,9 @@ def main() -> int:
                     row["dequant_cublas_us"] = 1e6 * time_graph(
                         lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
                 if m <= 64:  # every forced small-M variant side by side: alternative configuration, v2, default
-                    for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0)):
-                        if code == ours_code or (code == 2 and m > 16):  # (v2 exists for M <= 16 only)
+                    for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0),
+                                      ("v2w8_us", 4)):
+                        if code == ours_code or (code in (2, 4) and m > 16):  # (v2 exists for M <= 16 only)
                             continue
                         ext.set_variant(code)
                         if key == "v2_us":  # correctness of v2 on the same poisoned-output check
@@ -182,6 +183,24 @@ def main() -> int:
                             del ref2
                         row[key] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
                                                     cq, cq * math.ceil(calls_target / cq))
+                    # the two v1-kernel variants with their K splits reduced through the fp32 workspace
+                    # instead of thread-block clusters (the split then is chosen without the cap of 8)
+                    kernel.set_cluster(False)
+                    for key, code in (("alt_nocluster_us", 1), ("default_nocluster_us", 0)):
+                        ext.set_variant(code)
+                        row[key] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
+                                                    cq, cq * math.ceil(calls_target / cq))
+                        row[key.replace("_us", "_split")] = int(ext.last_split())
+                    kernel.set_cluster(True)
+                    ext.set_variant(1)  # the alternative configuration with a forced cluster of 8 splits
+                    ext.set_split_override(8)
+                    row["alt_cluster8_us"] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
+                                                              cq, cq * math.ceil(calls_target / cq))
+                    ext.set_split_override(0)
+                    for key, code in (("alt_split", 1), ("default_split", 0)):
+                        ext.set_variant(code)
+                        ext.linear_out(x, qws[0], gs, n, k, out, 0)
+                        row[key] = int(ext.last_split())  # negative: reduced in a cluster
                     ext.set_variant(ours_code)
                     if ours_code == 2:
                         row["v2_us"] = row["ours_us"]
@@ -193,6 +212,12 @@ def main() -> int:
                 alt += f"  no-PDL {row['ours_nopdl_us']:7.1f}" if "ours_nopdl_us" in row else ""
                 alt += f"  alt {row['alt_variant_us']:6.1f}" if "alt_variant_us" in row else ""
                 alt += f"  dflt {row['default_variant_us']:6.1f}" if "default_variant_us" in row else ""
+                alt += f"  v2w8 {row['v2w8_us']:6.1f}" if "v2w8_us" in row else ""
+                if "alt_nocluster_us" in row:
+                    alt += (f"  no-cluster alt {row['alt_nocluster_us']:6.1f} (S {row['alt_nocluster_split']} vs "
+                            f"{row['alt_split']}) dflt {row['default_nocluster_us']:6.1f} (S "
+                            f"{row['default_nocluster_split']} vs {row['default_split']}) alt-cl8 "
+                            f"{row['alt_cluster8_us']:6.1f}")
                 if "v2_us" in row:
                     v2err = f", err {row['v2_rel_err']:.1e}" if "v2_rel_err" in row else ""
                     v2nan = ", NaN!" if row.get("v2_nan") else ""
@@ -208,7 +233,9 @@ def main() -> int:
               "cuda": torch.version.cuda, "host": platform.node(), "copy_bw_bytes_per_s": copy_bw,
               "large_m_threshold": kernel.large_m_threshold(), "variant": args.variant, "timing": "median of 5 CUDA-graph replays, "
               "weights rotated over copies totalling >= 200 MB; ours = kernel.linear (auto path), with programmatic "
-              "dependent launch (each call's prologue overlaps the previous call; ours_nopdl_us: without it)",
+              "dependent launch (each call's prologue overlaps the previous call; ours_nopdl_us: without it); "
+              "*_nocluster_us: the v1 kernel's split-K through the workspace instead of thread-block clusters; "
+              "*_split: its K split (negative: reduced in a cluster)",
               "wall_s": time.time() - t_start, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -13,6 +13,8 @@
 #   6                              session 5: both extensions built, the kernel / fused / engine GPU tests, the
 #                                  small-M kernel bench (7B and 32B shapes, with and without PDL)
 #   7                              session 5: the 7B-shape rollout bench with profile and ablations (after 6, warm)
+#   9                              session 6: build, kernel / fused / engine GPU tests, small-M kernel bench,
+#                                  7B-shape rollout bench (one call)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -36,7 +38,7 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
 print('fused elementwise kernels available:', fused.available(), fused.build_error())" 2>&1 | tee "$OUT/build.log"
 }
 
-case "${1:?part 1, 2, 3, 4, 5, 6, 7 or 8}" in
+case "${1:?part 1, 2, 3, 4, 5, 6, 7, 8 or 9}" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 6 "kernels built"
@@ -46,6 +48,21 @@ case "${1:?part 1, 2, 3, 4, 5, 6, 7 or 8}" in
   timeout 200 python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} --ms ${MS:-1,8,16,64} \
     --json "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v '^|'
   stamp 6 "kernel bench done"
+  ;;
+9)
+  # session 6: both extensions built, the kernel / fused / engine GPU tests, the small-M kernel bench (cluster
+  # split-K columns), then the 7B-shape rollout bench (no profile, ablations): one call on a fresh machine
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 9 "kernels built"
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf -x ${TESTS:-tests/test_kernel.py tests/test_fused_gpu.py \
+    tests/test_engine_gpu.py} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  stamp 9 "GPU tests done"
+  timeout 100 python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} --ms ${MS:-1,8,16} \
+    --json "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v '^|'
+  stamp 9 "kernel bench done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --json "$OUT/rollout_7b_h200.json" \
+    2>&1 | tee "$OUT/bench_rollout_7b.log" | grep -v '^{' | grep -v '^ '
+  stamp 9 "7B rollout bench done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -38,6 +38,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -147,6 +148,53 @@ __device__ __forceinline__ void mma_half(float (&acc)[R][TG][4], const uint32_t 
   }
 }
 
+// Split-K reduction through distributed shared memory (sm_90 thread-block clusters): the S CTAs of one
+// (slice, row group) form a cluster (cluster rank = split); each wrote its [mslice, ROWS] fp32 partial to its
+// own shared memory. After a cluster barrier, CTA `split` sums outputs [split * per, (split + 1) * per) over the
+// S partials in split order (0 + p0 + p1 + ...: the workspace path's order, bit for bit), then a second barrier
+// keeps every CTA's shared memory alive until all remote reads are done.
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+constexpr int kMaxClusterSplit = 8;  // portable cluster size
+
+template <int ROWS>
+__device__ __forceinline__ void cluster_reduce(const float* part, __nv_bfloat16* __restrict__ out,
+                                               const __nv_bfloat16* __restrict__ bias, float alpha, int tok0,
+                                               int mslice, int N, int n0, int split, int S) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cluster_sync_all();
+  uint32_t base[kMaxClusterSplit];
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(part));
+#pragma unroll
+  for (int s = 0; s < kMaxClusterSplit; ++s)
+    if (s < S) asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(base[s]) : "r"(local), "r"(s));
+  const int total = mslice * ROWS;
+  const int per = (total + S - 1) / S;
+  const int lo = split * per, hi = min(total, lo + per);
+  const int nrows = min(ROWS, N - n0);
+  for (int i = lo + (int)threadIdx.x; i < hi; i += (int)blockDim.x) {
+    const int m = i / ROWS, nn = i % ROWS;
+    if (nn >= nrows) continue;
+    float p[kMaxClusterSplit];
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplit; ++s)  // all loads in flight before the ordered sum
+      if (s < S) asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(p[s]) : "r"(base[s] + 4u * (uint32_t)i));
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplit; ++s)
+      if (s < S) sum += p[s];
+    out[(size_t)(tok0 + m) * N + n0 + nn] = out_value(sum * alpha, bias, n0 + nn);
+  }
+  cluster_sync_all();
+#else
+  __trap();  // the host launches clusters on sm_90 and newer only
+#endif
+}
+
 // TG: token groups of 8 per CTA (M_slice <= 8*TG); R: row blocks (16 rows) per warp; D: K tiles of weight
 // loads in flight per warp; KCH: K tiles of activations staged in shared memory per chunk; NACC: accumulator
 // sets (2 splits the dependent mma chain when R*TG is small).
@@ -154,10 +202,13 @@ template <int TG, int R, int D, int KCH, int NACC, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split) {
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split, int cl) {
   qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
+  constexpr int ROWS = kWarps * R * 16;
+  // the cluster reduction keeps a [MP, ROWS] fp32 partial in the activation buffers: needs ROWS <= LDX
+  static_assert(ROWS <= LDX, "cluster partial does not fit the staging buffers");
   extern __shared__ __align__(16) __nv_bfloat16 xs[];
   __shared__ int s_last;
 
@@ -315,6 +366,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
         if (rowblock_ok && n < N && m < mslice) {
           if (S == 1)
             out[(size_t)(tok0 + m) * N + n] = out_value(v[i] * alpha, bias, n);
+          else if (cl)
+            reinterpret_cast<float*>(xs)[m * ROWS + (n - rg * ROWS)] = v[i];  // staging buffers are free now
           else
             ws[((size_t)split * M + tok0 + m) * N + n] = v[i];
         }
@@ -322,6 +375,12 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     }
   }
   if (S == 1) return;
+  if (cl) {
+    // split-K inside a thread-block cluster of the S splits: every CTA sums 1/S of the outputs, reading the
+    // S partials from the CTAs' shared memory in split order (the same order and result as the workspace path)
+    cluster_reduce<ROWS>(reinterpret_cast<const float*>(xs), out, bias, alpha, tok0, mslice, N, rg * ROWS, split, S);
+    return;
+  }
 
   // split-K: the last CTA of this (row group, slice) sums the S partials in split order
   __threadfence();
@@ -333,7 +392,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  constexpr int ROWS = kWarps * R * 16;
   const int n0 = rg * ROWS;
   const int nrows = min(ROWS, N - n0);
   for (int i = tid; i < mslice * ROWS; i += kWarps * 32) {
@@ -341,7 +399,14 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     if (nn >= nrows) continue;
     const size_t o = (size_t)(tok0 + m) * N + n0 + nn;
     float sum = 0.f;
-    for (int s = 0; s < S; ++s) sum += __ldcg(ws + (size_t)s * M * N + o);
+    for (int s0 = 0; s0 < S; s0 += 8) {  // eight loads in flight, added in split order
+      float p[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) p[j] = s0 + j < S ? __ldcg(ws + (size_t)(s0 + j) * M * N + o) : 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (s0 + j < S) sum += p[j];
+    }
     out[o] = out_value(sum * alpha, bias, n0 + nn);
   }
   if (tid == 0) counters[rg * gridDim.x + slice] = 0;  // ready for the next launch on this stream
@@ -394,15 +459,15 @@ __device__ __forceinline__ int64_t sk_begin(int64_t b, int64_t W, int64_t P) { r
 // the CTA whose range holds unit u
 __device__ __forceinline__ int sk_owner(int64_t u, int64_t W, int64_t P) { return (int)(((u + 1) * P - 1) / W); }
 
-template <int TG, int R, int D, int KCH, int NACC, int MINB>
-__global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
+template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
+__global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG) {
   qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged (M <= MP: one slice)
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements)
-  constexpr int ROWS = kWarps * R * 16;
+  constexpr int ROWS = NW * R * 16;
   extern __shared__ __align__(16) __nv_bfloat16 xs[];
   __shared__ int s_last;
 
@@ -421,7 +486,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
     const int ktb = (int)min((int64_t)KT, (int64_t)kta + (u1 - u0));
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int rbr = (rg0 * kWarps + warp) * R + r;
+      const int rbr = (rg0 * NW + warp) * R + r;
       if (rbr < NT) prefetch_tiles(qw + ((size_t)rbr * KT + kta) * kRecordBytes, ktb - kta, lane);
     }
   }
@@ -429,7 +494,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
 
   const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
   if (mslice < MP) {
-    for (int i = tid; i < 2 * (LDX / 8); i += kWarps * 32)
+    for (int i = tid; i < 2 * (LDX / 8); i += NW * 32)
       *reinterpret_cast<uint4*>(xs + (i / (LDX / 8)) * CHUNK + mslice * LDX + (i % (LDX / 8)) * 8) =
           make_uint4(0, 0, 0, 0);
   }
@@ -452,7 +517,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
     const uint8_t* ps[R];  // this lane's scale bytes of tile kt0
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      rb[r] = (rg * kWarps + warp) * R + r;
+      rb[r] = (rg * NW + warp) * R + r;
       const uint8_t* rec = qw + ((size_t)min(rb[r], NT - 1) * KT + kt0) * kRecordBytes;
       pc[r] = rec + 16 * lane;
       ps[r] = rec + kCodeBytes + 8 * g;
@@ -469,7 +534,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
       const int kb = (kt0 + c * KCH) * 64;
       const uint32_t sb = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
       const int segs = mslice * KCH * 8;
-      for (int i = tid; i < segs; i += kWarps * 32) {
+      for (int i = tid; i < segs; i += NW * 32) {
         const int m = i / (KCH * 8), sgi = i % (KCH * 8);
         const int kk = kb + sgi * 8;
         const bool valid = kk < K;
@@ -597,7 +662,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_v2_kernel(
       __threadfence();
       const int n0 = rg * ROWS;
       const int nrows = min(ROWS, N - n0);
-      for (int i = tid; i < mslice * ROWS; i += kWarps * 32) {
+      for (int i = tid; i < mslice * ROWS; i += NW * 32) {
         const int m = i / ROWS, nn = i % ROWS;
         if (nn >= nrows) continue;
         // slot 1 only for the first CTA, when its range starts inside an earlier row group
@@ -708,18 +773,20 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
 
 // opt-in small-M variant (set_variant(2)): M <= 8, M <= 16
 #define QERL_MMA_V2_CONFIGS(X) \
-  X(1, 1, 4, 8, 2, 5)             \
-  X(2, 1, 4, 8, 2, 4)
+  X(1, 1, 4, 8, 2, 5, 4)          \
+  X(2, 1, 4, 8, 2, 4, 4)          \
+  X(1, 1, 4, 8, 2, 2, 8)          \
+  X(2, 1, 4, 8, 2, 2, 8)
 
 #ifdef QERL_NO_TORCH
 // explicit instances for a stand-alone `nvcc -Xptxas -v` resource report
 #define QERL_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                             \
   template __global__ void nvfp4_mma_kernel<TG, R, D, KCH, NACC, MINB>(                                      \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
-      int, int, int, int, int, int);
+      int, int, int, int, int, int, int);
 QERL_MMA_CONFIGS(QERL_INSTANCE)
-#define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                          \
-  template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB>(                                   \
+#define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB, NW)                                                      \
+  template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>(                               \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
       int, int, int, int, int);
 QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
@@ -738,6 +805,14 @@ namespace qerl {
 constexpr int kNumSMsDefault = 132;
 static int64_t g_large_m_threshold = 64;  // M above this: dequantize + cuBLAS
 static int g_variant = 3;  // 3: auto (per shape, below)
+// split-K of nvfp4_mma_kernel through thread-block clusters (sm_90+); QERL_CLUSTER=0 or set_cluster(false): the
+// fp32 workspace and ticket path
+static int g_cluster = [] {
+  const char* e = std::getenv("QERL_CLUSTER");
+  return (e && e[0] == '0') ? 0 : 1;
+}();
+static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
+static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster
 
 // Variant 3 ("auto", the default) picks the small-M kernel per shape from the H200 measurements in
 // benchmarks/results/kernel_*_h200.json: the stream-K v2 kernel for large weights (>= kV2MinWeights, e.g. the
@@ -746,10 +821,22 @@ static int g_variant = 3;  // 3: auto (per shape, below)
 // one more CTA per SM: faster on q/k/v, o and down at M = 2..8) and the default configuration above that.
 constexpr int64_t kV2MinWeights = 100000000;
 constexpr int64_t kV2MinRows = 5120;  // session 5: v2 also wins on the 32B q/k/v, o and down shapes (N >= 5120)
+constexpr int64_t kV2W8MinWeights = 60000000;
+// session 6 (benchmarks/results/kernel_s6b_h200.json, with the cluster split-K): v2 with 8 warps per block is
+// the fastest at M <= 8 on every weight of >= 6e7 entries (7B gate_up 28.6 vs 31.3 us and down 21.7 vs 24.0 at
+// M = 8; 32B gate_up 49.2 vs 53.6, down 31.5 vs 33.3) and at 8 < M <= 16 on the wide ones (gate_up: 38.3 vs 41.7
+// on 7B, 66.9 vs 72.4 on 32B); at 8 < M <= 16 the alternative configuration with its splits in a cluster wins
+// everything else (7B q/k/v 9.8 vs 16.2, o 9.8 vs 15.4, down 25.6 vs 32.8; 32B o 12.8 vs 17.2, down 36.8 vs 45.3);
+// at M <= 8 the default configuration wins the small weights (7B q/k/v 10.1, o 10.3 us at M = 8).
 static int auto_variant(int64_t M, int64_t N, int64_t K) {
-  if (M <= 16 && (N * K >= kV2MinWeights || N >= kV2MinRows)) return 2;
+  if (M <= 8) {
+    if (N * K >= kV2W8MinWeights) return 4;
+    if (N >= kV2MinRows) return 2;
+    return 0;
+  }
+  if (M <= 16) return (N * K >= kV2MinWeights && N > K) ? 4 : 1;
   if (M > 32 && N * K >= kV2MinWeights) return 1;  // two row blocks per warp: 8-15 % faster on gate_up at M = 64
-  return M <= 8 ? 1 : 0;
+  return 0;
 }
 
 // Path of linear_out for bf16 x of M rows (auto): the mma kernel up to the large-M threshold, except for small
@@ -864,8 +951,17 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   // K split: an SM streams at full speed only with all its `occ` CTA slots busy (latency-bound below), so
   // the time is ~ (tiles per CTA + prologue) x max(CTAs on the busiest SM, occ); plus the split-K partials
   // (written and read once, mostly through L2)
+  // With clusters (sm_90+, set_cluster), a split of S <= 8 may instead reduce through distributed shared
+  // memory: no workspace traffic, tickets or fences (a smaller reduction term), S capped at the portable cluster
+  // size. Both ways are costed; the cheaper one runs.
+  // Measured (session 6): at M <= 8 the costs below pick well between the two; at 8 < M <= 16 the workspace
+  // partials cost more than modelled and a cluster split wins whenever one is possible; above M = 16 clusters
+  // are not measured yet and stay off.
+  const bool clusters = g_cluster && M <= 16 && qerl_pdl::device_supports(x.get_device());
+  const bool clusters_only = clusters && M > 8 && KT >= 2;
   const int sat = occ;
   int best_s = 1;
+  bool best_cl = false;
   double best = 1e300;
   const int max_s = std::max(1, std::min(64, KT / 2));
   for (int s = 1; s <= max_s; ++s) {
@@ -874,43 +970,59 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
     if (s_eff != s) continue;
     const double ctas = (double)RG * slices * s;
     const double load = std::ceil(ctas / sms);
-    double cost = (tps + 3.0) * std::max(load, (double)sat) * ROWS_BLOCKS * kRecordBytes / sat;
-    if (s > 1) cost += 0.35 * (double)s * M * N * 8.0 / sms;
-    if (cost < best * 0.99) {
-      best = cost;
-      best_s = s;
+    const double stream = (tps + 3.0) * std::max(load, (double)sat) * ROWS_BLOCKS * kRecordBytes / sat;
+    const double partials = s > 1 ? (double)s * M * N * 8.0 / sms : 0.0;
+    for (int c = 0; c < 2; ++c) {
+      if (c == 1 && !(clusters && s > 1 && s <= kMaxClusterSplit)) continue;
+      if (c == 0 && clusters_only) continue;
+      const double cost = stream + (c ? 0.1 : 0.35) * partials;
+      if (cost < best * 0.99) {
+        best = cost;
+        best_s = s;
+        best_cl = c == 1;
+      }
     }
+  }
+  if (g_split_override > 0) {  // tests and benchmarks: a fixed split (the nearest one that leaves no split empty),
+    // through a cluster whenever clusters are on
+    best_cl = clusters;
+    const int want = std::max(1, std::min<int>((int)g_split_override, clusters ? std::min(KT, kMaxClusterSplit) : KT));
+    best_s = (KT + ((KT + want - 1) / want) - 1) / ((KT + want - 1) / want);
   }
   const int S = best_s;
   const int tps = (KT + S - 1) / S;
+  const int cl = (best_cl && S > 1) ? 1 : 0;
   float* ws = nullptr;
   int* counters = nullptr;
   at::Tensor wsbuf;
-  if (S > 1) {
+  if (S > 1 && !cl) {
     wsbuf = at::empty({(int64_t)S * M * N}, x.options().dtype(at::kFloat));
     ws = wsbuf.data_ptr<float>();
     counters = counters_for(x, (int64_t)RG * slices);
   }
   dim3 grid(slices, RG, S);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(qerl_pdl::launch(kern, grid, dim3(kWarps * 32), smem, stream, x.get_device(),
-                                   reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
-                                   gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws,
-                                   counters, M, N, K, NT, KT, S, tps));
+  C10_CUDA_CHECK(qerl_pdl::launch_clustered(kern, grid, dim3(kWarps * 32), smem, stream, x.get_device(),
+                                             cl ? (unsigned)S : 1u,
+                                             reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+                                             qw.data_ptr<uint8_t>(), gs.data_ptr<float>(), bias,
+                                             reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws, counters, M, N, K,
+                                             NT, KT, S, tps, cl));
+  g_last_split = S * (cl ? -1 : 1);
 }
 
 // opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG
-template <int TG, int R, int D, int KCH, int NACC, int MINB>
+template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
 static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs,
                           const __nv_bfloat16* bias, at::Tensor& out, int M, int N, int K, int NT, int KT) {
-  constexpr int ROWS_BLOCKS = kWarps * R;
+  constexpr int ROWS_BLOCKS = NW * R;
   constexpr int MP = 8 * TG;
   TORCH_CHECK(M <= MP, "qerl: v2 kernel instance for M <= ", MP, " called with M = ", M);
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
   const int sms = num_sms(x.get_device());
   const int rows_alloc = std::min(MP, M + 1);
   const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16);
-  auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB>;
+  auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>;
   int occ = 1;
   {
     static std::mutex mu;
@@ -920,7 +1032,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
     if (it == occ_cache.end()) {
       if (smem > 48 * 1024)
         C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kWarps * 32, smem));
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, NW * 32, smem));
       occ_cache[smem] = std::max(occ, 1);
       it = occ_cache.find(smem);
     }
@@ -934,7 +1046,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   at::Tensor wsbuf = at::empty({2 * P * (int64_t)M * ROWS_BLOCKS * 16}, x.options().dtype(at::kFloat));
   int* counters = counters_for(x, RG);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(kWarps * 32), smem, stream, x.get_device(),
+  C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(),
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
                                    gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
                                    wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG));
@@ -975,8 +1087,11 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   // variant 0); variant 3 (auto): one of them per shape (auto_variant)
   const int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
   if (variant == 2 && M <= 16) {
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+  } else if (variant == 4 && M <= 16) {  // v2 with 8 warps per block: the staged activations serve 128 rows
+    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<2, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
   } else if (M <= 8) {
     if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
     else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
@@ -1007,9 +1122,15 @@ void linear_t_out(const at::Tensor& g, const at::Tensor& qw, const at::Tensor& g
 }
 
 void set_large_m_threshold(int64_t m) { g_large_m_threshold = m; }
+void set_cluster(bool on) { g_cluster = on ? 1 : 0; }
+void set_split_override(int64_t s) {
+  TORCH_CHECK(s >= 0, "qerl: the split override must be >= 0 (0: chosen per shape)");
+  g_split_override = s;
+}
 void set_variant(int64_t v) {
-  TORCH_CHECK(v >= 0 && v <= 3,
-              "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2) or 3 (auto, per shape)");
+  TORCH_CHECK(v >= 0 && v <= 4,
+              "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2), 3 (auto, per shape) or 4 "
+              "(v2 with 8 warps per block)");
   g_variant = (int)v;
 }
 int64_t get_variant() { return g_variant; }
@@ -1024,13 +1145,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; },
         "programmatic dependent launch of the small-M kernels (and of qerl_fused's) on or off");
   m.def("get_pdl", [] { return qerl_pdl::enabled_flag() != 0; });
+  m.def("set_cluster", &qerl::set_cluster,
+        "split-K of the small-M mma kernel reduced in thread-block clusters (sm_90+) instead of a workspace");
+  m.def("get_cluster", [] { return qerl::g_cluster != 0; });
+  m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
+  m.def("last_split", [] { return qerl::g_last_split; },
+        "K split of the last small-M mma launch (v1 kernel), negative when reduced in a cluster");
   m.def("linear_t_out", &qerl::linear_t_out, "g @ W into out");
   m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
   m.def("choose_path", &qerl::choose_path, "the path linear_out takes for bf16 x of M rows: 0 mma, 1 dequant+cuBLAS");
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
   m.def("set_variant", &qerl::set_variant,
-        "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 16, 3 auto (per shape)");
+        "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 16, 3 auto (per shape), "
+        "4 v2 with 8 warps per block");
   m.def("get_variant", &qerl::get_variant);
 }
 #endif

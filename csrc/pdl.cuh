@@ -58,21 +58,39 @@ inline bool device_supports(int dev) {
   return major[dev] >= 9;
 }
 
-// kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute where enabled and supported
+// kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute where enabled and supported, and as
+// thread-block clusters of cluster_z CTAs along z when cluster_z > 1 (the caller checks device_supports)
 template <typename... KArgs, typename... Args>
-cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int dev,
-                   Args&&... args) {
+cudaError_t launch_clustered(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             int dev, unsigned cluster_z, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (enabled_flag() && device_supports(dev)) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster_z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = 1;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = cluster_z;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = (enabled_flag() && device_supports(dev)) ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
+}
+
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int dev,
+                   Args&&... args) {
+  return launch_clustered(kern, grid, block, smem, stream, dev, 1u, std::forward<Args>(args)...);
 }
 #endif
 

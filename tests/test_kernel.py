@@ -231,7 +231,7 @@ def _check_linear(n, k, ms, kind="randn", seed=0, paths=(None,), tol=1e-2):
             assert e <= tol, f"rel err {e:.2e} at n={n} k={k} m={m} path={path}"
 
 
-@pytest.fixture(params=["auto", "default", "alt", "v2"])
+@pytest.fixture(params=["auto", "default", "alt", "v2", "v2w8"])
 def small_m_variant(request):
     """Run a small-M test once per kernel variant; restores the previous variant."""
     _need_kernel()
@@ -268,16 +268,17 @@ def test_gpu_v2_matches_default(n, k):
         for m in (1, 2, 7, 8, 9, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             outs = {}
-            for v in ("default", "v2"):
+            for v in ("default", "v2", "v2w8"):
                 kernel.set_variant(v)
                 outs[v] = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 kernel.linear(x, qw, gs, n, k, out=outs[v])
                 assert kernel.last_backend() == kernel.BACKEND_KERNEL
             torch.cuda.synchronize()
-            assert not torch.isnan(outs["v2"]).any(), (n, k, m)
             ref = ref_fp32(x, qw, gs, n, k)
-            assert rel_err(outs["v2"], ref) <= 1e-2
-            assert rel_err(outs["v2"], outs["default"]) <= 1e-2
+            for v in ("v2", "v2w8"):
+                assert not torch.isnan(outs[v]).any(), (v, n, k, m)
+                assert rel_err(outs[v], ref) <= 1e-2
+                assert rel_err(outs[v], outs["default"]) <= 1e-2
     finally:
         kernel.set_variant(before)
 
@@ -335,6 +336,48 @@ def test_gpu_pdl_chain_identical(m, small_m_variant):
     assert not torch.isnan(base).any()
     for graph in (False, True):
         assert torch.equal(_pdl_chain(x, weights, pdl=True, graph=graph), base), graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (200, 80), (5000, 256)])
+@pytest.mark.parametrize("variant", ["default", "alt"])
+def test_gpu_cluster_split_equals_workspace_split(n, k, variant):
+    """The split-K reduction through thread-block clusters (distributed shared memory) and the one through the
+    fp32 workspace add the same partials in the same order: bit-identical outputs at equal splits (forced),
+    with and without bias; each launch took the path it says it took (clusters up to M = 16, the workspace
+    above, over token slices at M > 64 too)."""
+    _need_kernel()
+    ext = kernel._load()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    qw, gs = make_packed(n, k, device="cuda", seed=n + 3 * k)
+    b = (torch.randn(n, device="cuda") * 2).to(torch.bfloat16)
+    kt = (k + 63) // 64
+    before = kernel.variant()
+    kernel.set_variant(variant)
+    try:
+        for split in sorted({2, 3, min(8, kt)}):
+            ext.set_split_override(split)
+            for m in (1, 5, 8, 16, 33, 64, 70):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                outs = {}
+                for cl in (True, False):
+                    kernel.set_cluster(cl)
+                    for bias in (None, b):
+                        o = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                        ext.linear_out(x, qw, gs, n, k, o, 0, bias)
+                        last = int(ext.last_split())  # clusters are used up to M = 16
+                        assert abs(last) >= 2 and (last < 0) == (cl and m <= 16), (split, m, cl, last)
+                        outs[cl, bias is None] = o
+                torch.cuda.synchronize()
+                for nb in (True, False):
+                    assert not torch.isnan(outs[True, nb]).any(), (split, m)
+                    assert torch.equal(outs[True, nb], outs[False, nb]), (n, k, split, m, nb)
+                assert rel_err(outs[True, True], ref_fp32(x, qw, gs, n, k)) <= 1e-2
+    finally:
+        ext.set_split_override(0)
+        kernel.set_cluster(True)
+        kernel.set_variant(before)
 
 
 @pytest.mark.gpu

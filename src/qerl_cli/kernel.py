@@ -23,15 +23,20 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 * an optional frozen ``bias`` is added in the kernel's epilogue, after the product's bf16 rounding;
 * the small-M kernels (and the engine's fused kernels, ``csrc/fused_ops.cu``) launch with programmatic
   dependent launch on sm_90 (``csrc/pdl.cuh``): a launch overlaps the end of the kernel before it and warms L2
-  with its first weight tiles; ``set_pdl(False)`` or ``QERL_PDL=0`` turns it off (results are identical).
+  with its first weight tiles; ``set_pdl(False)`` or ``QERL_PDL=0`` turns it off (results are identical);
+* up to M = 16 the small-M mma kernel's K splits (at most 8) may form one thread-block cluster per row group on
+  sm_90 and add their partials through distributed shared memory (``set_cluster``, ``QERL_CLUSTER=0`` for the
+  workspace path).
 
-Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (the stream-K
-``"v2"`` kernel at M <= 16 for weights of >= 1e8 entries or >= 5120 rows, ``"alt"`` for smaller weights at
-M <= 8 and for weights of >= 1e8 entries at 32 < M <= 64, ``"default"`` otherwise; see ``auto_variant`` in the
-CUDA source). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in
+Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (at M <= 8:
+``"v2w8"`` for weights of >= 6e7 entries, ``"v2"`` for smaller ones of >= 5120 rows, ``"default"`` for the rest;
+at 8 < M <= 16: ``"v2w8"`` for wide weights (N > K) of >= 1e8 entries, ``"alt"`` otherwise; above: ``"alt"``
+for weights of >= 1e8 entries at 32 < M <= 64, ``"default"`` otherwise; see ``auto_variant`` in the CUDA
+source). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in
 the environment (read when the extension loads) forces one: ``"default"`` is the original kernel, ``"alt"`` its
 alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
-tile) for M <= 16. All read the same tile records and have the same op signatures.
+tile) for M <= 16, ``"v2w8"`` the same with 8 warps per block (the activations staged once serve 128 rows).
+All read the same tile records and have the same op signatures.
 
 If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
 :func:`layout.dequantize`) and one warning line says why. Split-K launches keep a small self-resetting
@@ -51,13 +56,13 @@ import torch
 from . import layout
 
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
-           "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS"]
+           "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster"]
 
 BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
 
-VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3}
+VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4}
 
 _DEFAULT_ARCH_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -190,6 +195,18 @@ def set_pdl(on: bool) -> None:
     for ext in (_load(), fused._load()):
         if ext is not None:
             ext.set_pdl(bool(on))
+
+
+def set_cluster(on: bool) -> None:
+    """Split-K reduction of the small-M mma kernel ("default" / "alt", M <= 16) through sm_90 thread-block
+    clusters (default on; ``QERL_CLUSTER=0`` off): the K splits of a row group run as one cluster of at most 8 CTAs and
+    add their fp32 partials through distributed shared memory, in split order; off, they go through an fp32
+    workspace in global memory and the last CTA adds them, in the same order. The split count is chosen per
+    shape either way (at most 8 with clusters), so results match whenever the split does. A no-op without the
+    CUDA extension."""
+    ext = _load()
+    if ext is not None:
+        ext.set_cluster(bool(on))
 
 
 def available() -> bool:
