@@ -414,7 +414,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
 
 // ---------------------------------------------------------------------------------------------------------
 // nvfp4_mma_v2_kernel: small-M (decode) variant, chosen by auto_variant for large weights or forced with
-// set_variant(2) (Python: kernel.set_variant("v2") or QERL_KERNEL_VARIANT=v2). Same tile records, same E2M1 / scale arithmetic (the A
+// set_variant(2) / set_variant(4) (Python: kernel.set_variant("v2") / ("v2w8"), or QERL_KERNEL_VARIANT); NW warps
+// per block (4 or 8). Same tile records, same E2M1 / scale arithmetic (the A
 // fragments are bit-identical to nvfp4_mma_kernel's), differences:
 //   * stream-K work split: the grid is the resident CTA count (or fewer for small problems); the RG * KT
 //     (row group, K tile) units are cut into P equal contiguous ranges, one per CTA, so every CTA streams the
@@ -771,7 +772,7 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
   X(4, 4, 2, 4, 1, 2)             \
   X(8, 2, 2, 4, 1, 2)
 
-// opt-in small-M variant (set_variant(2)): M <= 8, M <= 16
+// the stream-K kernel: v2 (4 warps, set_variant(2)) and v2w8 (8 warps, set_variant(4)), each for M <= 8 and M <= 16
 #define QERL_MMA_V2_CONFIGS(X) \
   X(1, 1, 4, 8, 2, 5, 4)          \
   X(2, 1, 4, 8, 2, 4, 4)          \
@@ -815,10 +816,9 @@ static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster
 
 // Variant 3 ("auto", the default) picks the small-M kernel per shape from the H200 measurements in
-// benchmarks/results/kernel_*_h200.json: the stream-K v2 kernel for large weights (>= kV2MinWeights, e.g. the
-// fused gate_up of 7B and larger; it streams with fewer instructions per tile but pays a fixed reduction cost
-// that small weights do not amortize), otherwise the alternative configuration for M <= 8 (shorter prefetch,
-// one more CTA per SM: faster on q/k/v, o and down at M = 2..8) and the default configuration above that.
+// benchmarks/results/kernel_*_h200.json: the stream-K v2 kernel (4 or 8 warps per block) for the large weights
+// (it streams with fewer instructions per tile but pays a fixed reduction cost that small weights do not
+// amortize), one of the two configurations of nvfp4_mma_kernel for the rest (details below).
 constexpr int64_t kV2MinWeights = 100000000;
 constexpr int64_t kV2MinRows = 5120;  // session 5: v2 also wins on the 32B q/k/v, o and down shapes (N >= 5120)
 constexpr int64_t kV2W8MinWeights = 60000000;
