@@ -197,6 +197,14 @@ def main() -> int:
                     row["alt_cluster8_us"] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
                                                               cq, cq * math.ceil(calls_target / cq))
                     ext.set_split_override(0)
+                    if m > 16:  # clusters are off above M = 16 by default: both v1 configurations with them
+                        ext.set_cluster_max_m(m)
+                        for key, code in (("alt_cluster_us", 1), ("default_cluster_us", 0)):
+                            ext.set_variant(code)
+                            row[key] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
+                                                        cq, cq * math.ceil(calls_target / cq))
+                            row[key.replace("_us", "_split")] = int(ext.last_split())
+                        ext.set_cluster_max_m(16)
                     for key, code in (("alt_split", 1), ("default_split", 0)):
                         ext.set_variant(code)
                         ext.linear_out(x, qws[0], gs, n, k, out, 0)
@@ -218,24 +226,29 @@ def main() -> int:
                             f"{row['alt_split']}) dflt {row['default_nocluster_us']:6.1f} (S "
                             f"{row['default_nocluster_split']} vs {row['default_split']}) alt-cl8 "
                             f"{row['alt_cluster8_us']:6.1f}")
+                if "alt_cluster_us" in row:
+                    alt += (f"  clusters alt {row['alt_cluster_us']:6.1f} (S {row['alt_cluster_split']}) dflt "
+                            f"{row['default_cluster_us']:6.1f} (S {row['default_cluster_split']})")
                 if "v2_us" in row:
                     v2err = f", err {row['v2_rel_err']:.1e}" if "v2_rel_err" in row else ""
                     v2nan = ", NaN!" if row.get("v2_nan") else ""
                     alt += f"  v2 {row['v2_us']:6.1f} (x{row['v2_speedup_vs_cublas']:4.2f} vs cuBLAS{v2err}{v2nan})"
                 print(f"{model:12s} {layer:8s} {n:6d} {k:6d} {m:5d} {path:20s} ours {row['ours_us']:9.1f} us  "
                       f"cublas {row['cublas_us']:9.1f} us  x{row['speedup']:5.2f}  {row['weight_gbps']:7.0f} GB/s "
-                      f"({row['pct_copy_bw']:5.1f}%)  {row['tflops']:6.1f} TF/s  err {err if err is None else f'{err:.1e}'}"
+                      f"({row['pct_copy_bw']:5.1f}%)  {row['tflops']:6.1f} TF/s  "
+                      f"err {err if err is None else f'{err:.1e}'}"
                       f"{alt}", flush=True)
                 del x, out, out_b
             del qws, wbs, w32
             torch.cuda.empty_cache()
     result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
               "cuda": torch.version.cuda, "host": platform.node(), "copy_bw_bytes_per_s": copy_bw,
-              "large_m_threshold": kernel.large_m_threshold(), "variant": args.variant, "timing": "median of 5 CUDA-graph replays, "
-              "weights rotated over copies totalling >= 200 MB; ours = kernel.linear (auto path), with programmatic "
-              "dependent launch (each call's prologue overlaps the previous call; ours_nopdl_us: without it); "
-              "*_nocluster_us: the v1 kernel's split-K through the workspace instead of thread-block clusters; "
-              "*_split: its K split (negative: reduced in a cluster)",
+              "large_m_threshold": kernel.large_m_threshold(), "variant": args.variant,
+              "timing": "median of 5 CUDA-graph replays, weights rotated over copies totalling >= 200 MB; ours = "
+              "kernel.linear (auto path), with programmatic dependent launch (each call's prologue overlaps the "
+              "previous call; ours_nopdl_us: without it); *_nocluster_us: the v1 kernel's split-K through the "
+              "workspace instead of thread-block clusters; *_split: its K split (negative: reduced in a cluster); "
+              "*_cluster_us (M > 16): with clusters allowed there",
               "wall_s": time.time() - t_start, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -812,6 +812,10 @@ static int g_cluster = [] {
   const char* e = std::getenv("QERL_CLUSTER");
   return (e && e[0] == '0') ? 0 : 1;
 }();
+static int64_t g_cluster_max_m = [] {  // clusters up to this M (measured to help up to 16; QERL_CLUSTER_MAX_M)
+  const char* e = std::getenv("QERL_CLUSTER_MAX_M");
+  return (int64_t)(e && *e ? std::atoll(e) : 16);
+}();
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster
 
@@ -956,8 +960,8 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   // size. Both ways are costed; the cheaper one runs.
   // Measured (session 6): at M <= 8 the costs below pick well between the two; at 8 < M <= 16 the workspace
   // partials cost more than modelled and a cluster split wins whenever one is possible; above M = 16 clusters
-  // are not measured yet and stay off.
-  const bool clusters = g_cluster && M <= 16 && qerl_pdl::device_supports(x.get_device());
+  // are not measured yet and stay off (set_cluster_max_m / QERL_CLUSTER_MAX_M raise the limit, for measuring).
+  const bool clusters = g_cluster && M <= g_cluster_max_m && qerl_pdl::device_supports(x.get_device());
   const bool clusters_only = clusters && M > 8 && KT >= 2;
   const int sat = occ;
   int best_s = 1;
@@ -1123,6 +1127,10 @@ void linear_t_out(const at::Tensor& g, const at::Tensor& qw, const at::Tensor& g
 
 void set_large_m_threshold(int64_t m) { g_large_m_threshold = m; }
 void set_cluster(bool on) { g_cluster = on ? 1 : 0; }
+void set_cluster_max_m(int64_t m) {
+  TORCH_CHECK(m >= 0, "qerl: the cluster M limit must be >= 0");
+  g_cluster_max_m = m;
+}
 void set_split_override(int64_t s) {
   TORCH_CHECK(s >= 0, "qerl: the split override must be >= 0 (0: chosen per shape)");
   g_split_override = s;
@@ -1148,6 +1156,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_cluster", &qerl::set_cluster,
         "split-K of the small-M mma kernel reduced in thread-block clusters (sm_90+) instead of a workspace");
   m.def("get_cluster", [] { return qerl::g_cluster != 0; });
+  m.def("set_cluster_max_m", &qerl::set_cluster_max_m, "largest M whose K splits may reduce in a cluster (default 16)");
+  m.def("get_cluster_max_m", [] { return qerl::g_cluster_max_m; });
   m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
   m.def("last_split", [] { return qerl::g_last_split; },
         "K split of the last small-M mma launch (v1 kernel), negative when reduced in a cluster");

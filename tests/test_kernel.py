@@ -341,11 +341,12 @@ def test_gpu_pdl_chain_identical(m, small_m_variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (200, 80), (5000, 256)])
 @pytest.mark.parametrize("variant", ["default", "alt"])
-def test_gpu_cluster_split_equals_workspace_split(n, k, variant):
+@pytest.mark.parametrize("cluster_max_m", [16, 128])
+def test_gpu_cluster_split_equals_workspace_split(n, k, variant, cluster_max_m):
     """The split-K reduction through thread-block clusters (distributed shared memory) and the one through the
     fp32 workspace add the same partials in the same order: bit-identical outputs at equal splits (forced),
-    with and without bias; each launch took the path it says it took (clusters up to M = 16, the workspace
-    above, over token slices at M > 64 too)."""
+    with and without bias; each launch took the path it says it took (clusters up to the cluster M limit, the
+    workspace above; the limit raised to 128 covers every configuration and token slices at M > 64)."""
     _need_kernel()
     ext = kernel._load()
     if torch.cuda.get_device_capability()[0] < 9:
@@ -355,6 +356,7 @@ def test_gpu_cluster_split_equals_workspace_split(n, k, variant):
     kt = (k + 63) // 64
     before = kernel.variant()
     kernel.set_variant(variant)
+    ext.set_cluster_max_m(cluster_max_m)
     try:
         for split in sorted({2, 3, min(8, kt)}):
             ext.set_split_override(split)
@@ -366,8 +368,8 @@ def test_gpu_cluster_split_equals_workspace_split(n, k, variant):
                     for bias in (None, b):
                         o = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                         ext.linear_out(x, qw, gs, n, k, o, 0, bias)
-                        last = int(ext.last_split())  # clusters are used up to M = 16
-                        assert abs(last) >= 2 and (last < 0) == (cl and m <= 16), (split, m, cl, last)
+                        last = int(ext.last_split())
+                        assert abs(last) >= 2 and (last < 0) == (cl and m <= cluster_max_m), (split, m, cl, last)
                         outs[cl, bias is None] = o
                 torch.cuda.synchronize()
                 for nb in (True, False):
@@ -376,6 +378,7 @@ def test_gpu_cluster_split_equals_workspace_split(n, k, variant):
                 assert rel_err(outs[True, True], ref_fp32(x, qw, gs, n, k)) <= 1e-2
     finally:
         ext.set_split_override(0)
+        ext.set_cluster_max_m(16)
         kernel.set_cluster(True)
         kernel.set_variant(before)
 
