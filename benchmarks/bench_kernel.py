@@ -168,6 +168,19 @@ def main() -> int:
                                                      cq * math.ceil(calls_target / cq))
                     row["dequant_cublas_us"] = 1e6 * time_graph(
                         lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
+
+                def time_forced(code: int) -> float:
+                    """us per call of the mma path with small-M variant `code` forced."""
+                    ext.set_variant(code)
+                    return 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0), cq,
+                                            cq * math.ceil(calls_target / cq))
+
+                def time_v1_configs(tag: str) -> None:
+                    """Both configurations of the v1 kernel, with the K split each launch chose."""
+                    for name, code in (("alt", 1), ("default", 0)):
+                        row[f"{name}_{tag}_us"] = time_forced(code)
+                        row[f"{name}_{tag}_split"] = int(ext.last_split())
+
                 if m <= 64:  # every forced small-M variant side by side: alternative configuration, v2, default
                     for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0),
                                       ("v2w8_us", 4)):
@@ -181,29 +194,18 @@ def main() -> int:
                             row["v2_rel_err"] = float((out.float() - ref2).norm() / ref2.norm())
                             row["v2_nan"] = bool(torch.isnan(out).any())
                             del ref2
-                        row[key] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
-                                                    cq, cq * math.ceil(calls_target / cq))
+                        row[key] = time_forced(code)
                     # the two v1-kernel variants with their K splits reduced through the fp32 workspace
                     # instead of thread-block clusters (the split then is chosen without the cap of 8)
                     kernel.set_cluster(False)
-                    for key, code in (("alt_nocluster_us", 1), ("default_nocluster_us", 0)):
-                        ext.set_variant(code)
-                        row[key] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
-                                                    cq, cq * math.ceil(calls_target / cq))
-                        row[key.replace("_us", "_split")] = int(ext.last_split())
+                    time_v1_configs("nocluster")
                     kernel.set_cluster(True)
-                    ext.set_variant(1)  # the alternative configuration with a forced cluster of 8 splits
-                    ext.set_split_override(8)
-                    row["alt_cluster8_us"] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
-                                                              cq, cq * math.ceil(calls_target / cq))
+                    ext.set_split_override(8)  # the alternative configuration with a forced cluster of 8 splits
+                    row["alt_cluster8_us"] = time_forced(1)
                     ext.set_split_override(0)
                     if m > 16:  # clusters are off above M = 16 by default: both v1 configurations with them
                         ext.set_cluster_max_m(m)
-                        for key, code in (("alt_cluster_us", 1), ("default_cluster_us", 0)):
-                            ext.set_variant(code)
-                            row[key] = 1e6 * time_graph(lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 0),
-                                                        cq, cq * math.ceil(calls_target / cq))
-                            row[key.replace("_us", "_split")] = int(ext.last_split())
+                        time_v1_configs("cluster")
                         ext.set_cluster_max_m(16)
                     for key, code in (("alt_split", 1), ("default_split", 0)):
                         ext.set_variant(code)
