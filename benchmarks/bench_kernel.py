@@ -203,10 +203,11 @@ def main() -> int:
                     ext.set_split_override(8)  # the alternative configuration with a forced cluster of 8 splits
                     row["alt_cluster8_us"] = time_forced(1)
                     ext.set_split_override(0)
-                    if m > 16:  # clusters are off above M = 16 by default: both v1 configurations with them
+                    max_m = int(ext.get_cluster_max_m())
+                    if m > max_m:  # clusters are off above the limit (16 by default): both v1 configurations with them
                         ext.set_cluster_max_m(m)
                         time_v1_configs("cluster")
-                        ext.set_cluster_max_m(16)
+                        ext.set_cluster_max_m(max_m)
                     for key, code in (("alt_split", 1), ("default_split", 0)):
                         ext.set_variant(code)
                         ext.linear_out(x, qws[0], gs, n, k, out, 0)

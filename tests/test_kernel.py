@@ -355,6 +355,7 @@ def test_gpu_cluster_split_equals_workspace_split(n, k, variant, cluster_max_m):
     b = (torch.randn(n, device="cuda") * 2).to(torch.bfloat16)
     kt = (k + 63) // 64
     before = kernel.variant()
+    before_cluster, before_max_m = bool(ext.get_cluster()), int(ext.get_cluster_max_m())
     kernel.set_variant(variant)
     ext.set_cluster_max_m(cluster_max_m)
     try:
@@ -378,8 +379,8 @@ def test_gpu_cluster_split_equals_workspace_split(n, k, variant, cluster_max_m):
                 assert rel_err(outs[True, True], ref_fp32(x, qw, gs, n, k)) <= 1e-2
     finally:
         ext.set_split_override(0)
-        ext.set_cluster_max_m(16)
-        kernel.set_cluster(True)
+        ext.set_cluster_max_m(before_max_m)
+        kernel.set_cluster(before_cluster)
         kernel.set_variant(before)
 
 

@@ -199,8 +199,8 @@ def set_pdl(on: bool) -> None:
 
 def set_cluster(on: bool) -> None:
     """Split-K reduction of the small-M mma kernel ("default" / "alt", M <= 16) through sm_90 thread-block
-    clusters (default on; ``QERL_CLUSTER=0`` off): the K splits of a row group run as one cluster of at most 8 CTAs and
-    add their fp32 partials through distributed shared memory, in split order; off, they go through an fp32
+    clusters (default on; ``QERL_CLUSTER=0`` off): the K splits of a row group run as one cluster of at most 8
+    CTAs and add their fp32 partials through distributed shared memory, in split order; off, they go through an fp32
     workspace in global memory and the last CTA adds them, in the same order. The split count is chosen per
     shape either way (at most 8 with clusters), so results match whenever the split does. A no-op without the
     CUDA extension."""
