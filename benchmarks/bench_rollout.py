@@ -81,11 +81,13 @@ def random_lora(model, rank: int) -> LoRA:
     return LoRA(factors, scaling=2.0)
 
 
-def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, **engine_kw) -> dict:
+def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=False,
+                **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     if lora_rank:  # an adapter on every projection, as in training rollouts
         eng.set_adapter(random_lora(model, lora_rank))
         eng.batch_lora = batch_lora
+        eng.lora_kernels = lora_kernels
     ps = prompts(batch, p_len, vocab)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
     # warm-up on exactly the measured shapes, cache length included: a first call at a new shape pays library
@@ -290,6 +292,7 @@ def lora_part(result, rows, save) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     for name, kw in (("ours-nvfp4", {}), ("ours-nvfp4 +lora32", {"lora_rank": 32}),
+                     ("ours-nvfp4 +lora32 fused LoRA kernels", {"lora_rank": 32, "lora_kernels": True}),
                      ("ours-nvfp4 +lora32 per-member", {"lora_rank": 32, "batch_lora": False})):
         rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8, **time_engine(big, 8, 256, 512, 152064, **kw)})
         save()

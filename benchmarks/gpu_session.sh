@@ -15,6 +15,15 @@
 #   7                              session 5: the 7B-shape rollout bench with profile and ablations (after 6, warm)
 #   9                              session 6: build, kernel / fused / engine GPU tests, small-M kernel bench,
 #                                  7B-shape rollout bench (one call)
+#   10                             session 7: build, small-M floors (probe_small.py at M = 1 and 8), ncu counters
+#                                  of the 7B launches at M = 8, TESTS (default: the cluster equality test), kernel
+#                                  bench over MS (default 1,8,16,32,64)
+#   11 [AB=dir]                    session 7: build, A/B of this tree's kernel against the one in AB (default
+#                                  abtmp/, an older nvfp4_kernel.cu) in one process, then TESTS (default: the
+#                                  kernel's GPU tests)
+#   12                             session 7: build, the fused kernels' and engine's GPU tests (TESTS), then the
+#                                  7B-shape LoRA rollout bench (batched terms in the fused LoRA kernels, in cuBLAS,
+#                                  per member)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -63,6 +72,43 @@ case "${1:?part 1, 2, 3, 4, 5, 6, 7, 8 or 9}" in
   timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --json "$OUT/rollout_7b_h200.json" \
     2>&1 | tee "$OUT/bench_rollout_7b.log" | grep -v '^{' | grep -v '^ '
   stamp 9 "7B rollout bench done"
+  ;;
+10)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 10 "kernels built"
+  for m in 8 1; do
+    timeout 60 python3 benchmarks/probe_small.py --m $m --json "$OUT/probe_m$m.json" 2>&1 | tee "$OUT/probe_m$m.log"
+  done
+  stamp 10 "probes done"
+  timeout 150 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section LaunchStats --section Occupancy --section SchedulerStats \
+    python3 benchmarks/probe_small.py --m 8 --ncu > "$OUT/ncu_m8.txt" 2>&1; echo "ncu rc $?"
+  stamp 10 "ncu done"
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    ${TESTS:-tests/test_kernel.py -k cluster_split_equals_workspace} 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+  stamp 10 "GPU tests done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} \
+    --ms ${MS:-1,8,16,32,64} --json "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v '^|'
+  stamp 10 "kernel bench done"
+  ;;
+11)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 11 "kernels built"
+  timeout 300 python3 benchmarks/ab_kernel.py --other ${AB:-abtmp} --ms ${MS:-1,8,16,32} --json "$OUT/ab_kernel.json" \
+    2>&1 | grep -v Warning | tee "$OUT/ab_kernel.log"
+  stamp 11 "A/B done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    ${TESTS:-tests/test_kernel.py} 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
+  stamp 11 "GPU tests done"
+  ;;
+12)
+  build; stamp 12 "kernels built"
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_fused_gpu.py tests/test_engine_gpu.py} \
+    2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+  stamp 12 "GPU tests done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 \
+    --json "$OUT/rollout_7b_lora.json" 2>&1 | grep -v '^{' | tee "$OUT/bench_rollout_7b_lora.log"
+  stamp 12 "7B LoRA rollout bench done"
   ;;
 8)
   build; stamp 8 "kernels built"

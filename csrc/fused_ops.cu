@@ -14,6 +14,7 @@
 // Vector width: 8 bf16 (16 bytes) per access; the wrappers require widths and strides that allow it.
 // Each kernel lets the next one on the stream launch at once and waits for the one before it before touching
 // memory (programmatic dependent launch, csrc/pdl.cuh): a launch's latency hides behind the previous kernel.
+#include <algorithm>
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -110,6 +111,136 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ g, const bf16* __restri
     o.v[j] = b(f(s) * f(uv.v[j]));
   }
   st8(out + r * static_cast<int64_t>(width) + i, o);
+}
+
+// LoRA terms of the engine's decode steps (M <= 16 rows), in two small PDL kernels instead of two cuBLAS matmuls
+// (each of those often a gemm plus a split-K reduce, none overlapping its neighbours):
+//   lora_shrink: part[s, m, r] = sum over K chunk s of x[m, k] * a[r, k]                       (fp32)
+//   lora_expand: out[m, n] = bf16(float(y[m, n]) + sum_r float(bf16(sum_s part[s, m, r])) * float(bs[r, n]))
+// which is addmm(y, x @ a^T, bs) with h = x @ a^T rounded to bf16 in between, as the cuBLAS chain rounds it, and
+// fp32 accumulation; every sum runs in a fixed order (the result does not depend on scheduling).
+constexpr int kLoraMaxM = 16;
+constexpr int kShrinkWarps = 8;
+constexpr int kShrinkRowsPerWarp = 2;
+constexpr int kShrinkRows = kShrinkWarps * kShrinkRowsPerWarp;  // rows of a per block
+constexpr int kShrinkStep = 256;                                // inputs per step: 8 per lane
+constexpr int kExpandThreads = 64;                              // 2 output columns each: more blocks
+constexpr int kExpandPartials = 2048;  // most partial sums the expand kernel gathers (8 KB: 2 L2 round trips)
+
+template <int MT>
+__global__ void __launch_bounds__(kShrinkWarps * 32) lora_shrink_kernel(const bf16* __restrict__ x,
+                                                                        const bf16* __restrict__ a,
+                                                                        float* __restrict__ part, int M, int K,
+                                                                        int R, int kc) {
+  qerl_pdl::trigger();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int s = blockIdx.x;
+  const int r0 = blockIdx.y * kShrinkRows + warp * kShrinkRowsPerWarp;
+  const int k0 = s * kc, k1 = min(K, k0 + kc);
+  float acc[kShrinkRowsPerWarp][MT];
+#pragma unroll
+  for (int i = 0; i < kShrinkRowsPerWarp; ++i)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[i][m] = 0.f;
+  qerl_pdl::wait();
+  constexpr int U = 4;  // steps whose factor loads are in flight together (latency, not bandwidth, bounds this)
+  for (int kb = k0; kb < k1; kb += U * kShrinkStep) {
+    Vec8 av[U][kShrinkRowsPerWarp];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * kShrinkStep + 8 * lane;
+#pragma unroll
+      for (int i = 0; i < kShrinkRowsPerWarp; ++i)
+        if (k < k1 && r0 + i < R) av[u][i] = ld8(a + (size_t)(r0 + i) * K + k);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * kShrinkStep + 8 * lane;
+      if (k >= k1) break;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m >= M) break;
+        const Vec8 xv = ld8(x + (size_t)m * K + k);
+#pragma unroll
+        for (int i = 0; i < kShrinkRowsPerWarp; ++i)
+          if (r0 + i < R) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[i][m] += f(av[u][i].v[j]) * f(xv.v[j]);
+          }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kShrinkRowsPerWarp; ++i)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float v = acc[i][m];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && m < M && r0 + i < R) part[((size_t)s * M + m) * R + r0 + i] = v;
+    }
+}
+
+template <int MT>
+__global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float* __restrict__ part, int S,
+                                                                     const bf16* __restrict__ y,
+                                                                     const bf16* __restrict__ bs,
+                                                                     bf16* __restrict__ out, int M, int N, int R) {
+  qerl_pdl::trigger();
+  extern __shared__ float sm[];  // [S][M][R] partials, then h [M][R]
+  const int tid = threadIdx.x;
+  const int total = S * M * R, mr = M * R;
+  float* hs = sm + total;
+  qerl_pdl::wait();
+  for (int i0 = tid; i0 < total; i0 += 16 * kExpandThreads) {  // sixteen loads in flight per thread
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int i = i0 + j * kExpandThreads;
+      v[j] = i < total ? __ldcg(part + i) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (i0 + j * kExpandThreads < total) sm[i0 + j * kExpandThreads] = v[j];
+  }
+  __syncthreads();
+  for (int e = tid; e < mr; e += kExpandThreads) {
+    float sum = 0.f;
+    for (int s = 0; s < S; ++s) sum += sm[s * mr + e];
+    hs[e] = f(b(sum));
+  }
+  __syncthreads();
+  const int n = (blockIdx.x * kExpandThreads + tid) * 2;
+  if (n >= N) return;
+  float acc[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = 0.f;
+  constexpr int RB = 32;  // rows of bs whose loads are in flight together (one round trip per batch)
+  for (int r0 = 0; r0 < R; r0 += RB) {
+    __nv_bfloat162 bv[RB];
+#pragma unroll
+    for (int j = 0; j < RB; ++j)
+      if (r0 + j < R) bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(r0 + j) * N + n);
+#pragma unroll
+    for (int j = 0; j < RB; ++j) {
+      if (r0 + j >= R) break;
+      const float b0 = __low2float(bv[j]), b1 = __high2float(bv[j]);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m >= M) break;
+        const float hv = hs[m * R + r0 + j];
+        acc[m][0] += hv * b0;
+        acc[m][1] += hv * b1;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    if (m >= M) break;
+    const __nv_bfloat162 yv = *reinterpret_cast<const __nv_bfloat162*>(y + (size_t)m * N + n);
+    *reinterpret_cast<__nv_bfloat162*>(out + (size_t)m * N + n) =
+        __floats2bfloat162_rn(__low2float(yv) + acc[m][0], __high2float(yv) + acc[m][1]);
+  }
 }
 
 // thread = (row, head, 8-wide chunk of the first half of head_dim): it writes that chunk and its partner in the
@@ -259,6 +390,52 @@ void rope_kv(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, 
                                    static_cast<int>(d), kc.size(2)));
 }
 
+// out [M, N] = y + bf16(x @ a^T) @ bs for M <= 16 decode rows (see lora_shrink_kernel): x [M, K], a [R, K],
+// y / out [M, N], bs [R, N], all contiguous bf16; K % 8 == 0, N % 2 == 0, M * R <= 4096. Returns false (nothing
+// launched) when the tensors are outside what the kernels take: the caller then uses its matmuls.
+bool lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, const at::Tensor& bs, at::Tensor& out) {
+  const at::Tensor* args[] = {&x, &a, &y, &bs, &out};
+  for (const at::Tensor* t : args) {
+    if (!t->is_cuda() || t->scalar_type() != at::kBFloat16 || !t->is_contiguous() || t->dim() != 2 ||
+        reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0)
+      return false;
+  }
+  const int64_t M = x.size(0), K = x.size(1), R = a.size(0), N = y.size(1);
+  // (fused.lora_add raises on disagreeing shapes before calling; here they only decline: session 7's GPU run
+  // crashed the process when a TORCH_CHECK of this function threw, cause not established)
+  if (a.size(1) != K || y.size(0) != M || bs.size(0) != R || bs.size(1) != N || out.sizes() != y.sizes()) return false;
+  if (M < 1 || M > kLoraMaxM || R < 1 || K % 8 != 0 || N % 2 != 0 || M * R > 4096) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int dev = x.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int rt = static_cast<int>((R + kShrinkRows - 1) / kShrinkRows);
+  // K chunks: enough blocks to spread the factor's bytes, no more partial sums than the expand kernel gathers
+  // quickly (every one of its blocks reads them all), each chunk a whole number of steps
+  int64_t s_want = std::max<int64_t>(1, std::min<int64_t>({32, (128 + rt - 1) / rt, kExpandPartials / (M * R)}));
+  int64_t kc = (K + s_want - 1) / s_want;
+  kc = (kc + kShrinkStep - 1) / kShrinkStep * kShrinkStep;
+  const int64_t S = (K + kc - 1) / kc;
+  at::Tensor part = at::empty({S * M * R}, x.options().dtype(at::kFloat));
+  const size_t smem = static_cast<size_t>(S * M * R + M * R) * sizeof(float);
+  const dim3 sgrid(static_cast<unsigned>(S), static_cast<unsigned>(rt));
+  const dim3 egrid(static_cast<unsigned>((N / 2 + kExpandThreads - 1) / kExpandThreads));
+  const int Mi = static_cast<int>(M), Ki = static_cast<int>(K), Ri = static_cast<int>(R), Ni = static_cast<int>(N);
+  if (M <= 8) {
+    C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<8>, sgrid, dim3(kShrinkWarps * 32), 0, stream, dev, cptr(x),
+                                     cptr(a), part.data_ptr<float>(), Mi, Ki, Ri, static_cast<int>(kc)));
+    C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<8>, egrid, dim3(kExpandThreads), smem, stream, dev,
+                                     static_cast<const float*>(part.data_ptr<float>()), static_cast<int>(S), cptr(y),
+                                     cptr(bs), mptr(out), Mi, Ni, Ri));
+  } else {
+    C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<16>, sgrid, dim3(kShrinkWarps * 32), 0, stream, dev,
+                                     cptr(x), cptr(a), part.data_ptr<float>(), Mi, Ki, Ri, static_cast<int>(kc)));
+    C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<16>, egrid, dim3(kExpandThreads), smem, stream, dev,
+                                     static_cast<const float*>(part.data_ptr<float>()), static_cast<int>(S), cptr(y),
+                                     cptr(bs), mptr(out), Mi, Ni, Ri));
+  }
+  return true;
+}
+
 #endif  // QERL_NO_TORCH
 
 }  // namespace qerl_fused
@@ -268,6 +445,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rmsnorm", &qerl_fused::add_rmsnorm, "h_out = h + d; x_out = rmsnorm(h_out) * w (bf16 rows)");
   m.def("silu_mul", &qerl_fused::silu_mul, "out = silu(g) * u (bf16 rows)");
   m.def("rope_kv", &qerl_fused::rope_kv, "rotary on q and k of a fused qkv row; k, v into the KV cache");
+  m.def("lora_add", &qerl_fused::lora_add,
+        "out = y + bf16(x @ a^T) @ bs for decode rows (M <= 16); false when the shapes need the matmul path");
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; }, "programmatic dependent launch on/off");
 }
 #endif

@@ -195,6 +195,45 @@ __device__ __forceinline__ void cluster_reduce(const float* part, __nv_bfloat16*
 #endif
 }
 
+// Deterministic stream-K fixup (nvfp4_mma_v2_kernel): element i = m * rows + nn (of `total`; nn >= nrows skipped) is the sum
+// over the `nslots` partial slots j, at ws + slot_off(j) + elem_off(i), added in slot order (0 + p0 + p1 + ...). Each
+// thread takes 4 elements at a time and keeps up to 4 x 8 loads in flight: the fixup is a tail on the kernel's
+// critical path, so it is latency that counts here (one element at a time was one L2 round trip per slot batch).
+template <int THREADS, typename ElemOff, typename SlotOff, typename Emit>
+__device__ __forceinline__ void ordered_slot_sum(const float* ws, int total, int rows, int nrows, int nslots,
+                                                 ElemOff elem_off, SlotOff slot_off, Emit emit) {
+  constexpr int EB = 4;
+  for (int i0 = (int)threadIdx.x; i0 < total; i0 += EB * THREADS) {
+    bool ok[EB];
+    float sum[EB];
+    const float* pe[EB];
+#pragma unroll
+    for (int e = 0; e < EB; ++e) {
+      const int i = i0 + e * THREADS;
+      ok[e] = i < total && (i % rows) < nrows;
+      pe[e] = ws + (ok[e] ? elem_off(i) : 0);
+      sum[e] = 0.f;
+    }
+    for (int j0 = 0; j0 < nslots; j0 += 8) {
+      float p[EB][8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const size_t so = j0 + j < nslots ? slot_off(j0 + j) : 0;
+#pragma unroll
+        for (int e = 0; e < EB; ++e) p[e][j] = (ok[e] && j0 + j < nslots) ? __ldcg(pe[e] + so) : 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < EB; ++e)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j0 + j < nslots) sum[e] += p[e][j];
+    }
+#pragma unroll
+    for (int e = 0; e < EB; ++e)
+      if (ok[e]) emit(i0 + e * THREADS, sum[e]);
+  }
+}
+
 // TG: token groups of 8 per CTA (M_slice <= 8*TG); R: row blocks (16 rows) per warp; D: K tiles of weight
 // loads in flight per warp; KCH: K tiles of activations staged in shared memory per chunk; NACC: accumulator
 // sets (2 splits the dependent mma chain when R*TG is small).
@@ -663,28 +702,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       __threadfence();
       const int n0 = rg * ROWS;
       const int nrows = min(ROWS, N - n0);
-      for (int i = tid; i < mslice * ROWS; i += NW * 32) {
+      // slot 1 of the first CTA only when its range starts inside an earlier row group
+      const size_t slot_stride = (size_t)M * ROWS;
+      const size_t first_slot = (size_t)(2 * bfirst + (sk_begin(bfirst, W, P) >= (int64_t)rg * KT ? 0 : 1));
+      ordered_slot_sum<NW * 32>(ws, mslice * ROWS, ROWS, nrows, blast - bfirst + 1, [](int i) { return (size_t)i; },
+                                [&](int j) {
+        return (j == 0 ? first_slot : (size_t)(2 * (bfirst + j))) * slot_stride;
+      }, [&](int i, float sum) {
         const int m = i / ROWS, nn = i % ROWS;
-        if (nn >= nrows) continue;
-        // slot 1 only for the first CTA, when its range starts inside an earlier row group
-        const float* p0 = ws + ((size_t)m * ROWS + nn);
-        const size_t slot_stride = (size_t)M * ROWS;
-        float sum = __ldcg(p0 + (size_t)(2 * bfirst + (sk_begin(bfirst, W, P) >= (int64_t)rg * KT ? 0 : 1)) *
-                                    slot_stride);
-        int bb = bfirst + 1;
-        for (; bb + 3 <= blast; bb += 4) {  // four loads in flight, added in CTA order
-          const float v0 = __ldcg(p0 + (size_t)(2 * bb) * slot_stride);
-          const float v1 = __ldcg(p0 + (size_t)(2 * bb + 2) * slot_stride);
-          const float v2 = __ldcg(p0 + (size_t)(2 * bb + 4) * slot_stride);
-          const float v3 = __ldcg(p0 + (size_t)(2 * bb + 6) * slot_stride);
-          sum += v0;
-          sum += v1;
-          sum += v2;
-          sum += v3;
-        }
-        for (; bb <= blast; ++bb) sum += __ldcg(p0 + (size_t)(2 * bb) * slot_stride);
         out[(size_t)m * N + n0 + nn] = out_value(sum * alpha, bias, n0 + nn);
-      }
+      });
       if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
     }
     __syncthreads();  // s_last is rewritten by the next segment
@@ -812,9 +839,9 @@ static int g_cluster = [] {
   const char* e = std::getenv("QERL_CLUSTER");
   return (e && e[0] == '0') ? 0 : 1;
 }();
-static int64_t g_cluster_max_m = [] {  // clusters up to this M (measured to help up to 16; QERL_CLUSTER_MAX_M)
+static int64_t g_cluster_max_m = [] {  // clusters up to this M (measured to help up to 32; QERL_CLUSTER_MAX_M)
   const char* e = std::getenv("QERL_CLUSTER_MAX_M");
-  return (int64_t)(e && *e ? std::atoll(e) : 16);
+  return (int64_t)(e && *e ? std::atoll(e) : 32);
 }();
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster
@@ -843,13 +870,29 @@ static int auto_variant(int64_t M, int64_t N, int64_t K) {
   return 0;
 }
 
+// Wide weights of >= 1e8 entries (gate/up): above M = 16 their K splits stay in the workspace (session 7,
+// benchmarks/results/kernel_s7_h200.json: a cluster split measured slower on both gate_up shapes at M = 32 and 64:
+// 64.6 against 52.0 us on 7B, 102.1 against 100.7 on 32B), every other weight may use clusters up to g_cluster_max_m
+static bool wide_large(int64_t n, int64_t k) { return n * k >= kV2MinWeights && n > k; }
+
+// whether a launch of M rows on device dev may reduce its K splits in a thread-block cluster
+static bool clusters_for(int64_t M, int64_t n, int64_t k, int dev) {
+  return g_cluster && M <= g_cluster_max_m && !(M > 16 && wide_large(n, k)) && qerl_pdl::device_supports(dev);
+}
+
 // Path of linear_out for bf16 x of M rows (auto): the mma kernel up to the large-M threshold, except for small
-// weights from M = 32 on, where dequantize + cuBLAS measured faster on the H200 (7B q/k/v and o at M = 32 and
-// 64: 18-22 us against 26-34; equal on the 32B ones; session 5, benchmarks/results/kernel_s5_h200.json)
+// weights from M = 32 on, where dequantize + cuBLAS measured faster on the H200 without clusters (7B q/k/v and
+// o at M = 32 and 64: 18-22 us against 26-34; session 5, benchmarks/results/kernel_s5_h200.json). With the K
+// splits in clusters (session 7, kernel_s7_h200.json) the mma kernel wins at M = 32 on every small weight (7B q/k/v
+// 13.7 against 20.3 us, o 13.2 against 18.5; 32B q/k/v 28.4 against 46.2, o 17.9 against 33.0), so the
+// dequantize path starts above the cluster M limit there.
 constexpr int64_t kDequantMaxWeights = 40000000;
 int64_t choose_path(int64_t M, int64_t n, int64_t k) {
   if (M > g_large_m_threshold) return 1;
-  return (M >= 32 && n * k <= kDequantMaxWeights) ? 1 : 0;
+  if (M < 32 || n * k > kDequantMaxWeights) return 0;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return clusters_for(M, n, k, dev) ? 0 : 1;
 }
 
 struct SmallCfg {
@@ -959,9 +1002,10 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   // memory: no workspace traffic, tickets or fences (a smaller reduction term), S capped at the portable cluster
   // size. Both ways are costed; the cheaper one runs.
   // Measured (session 6): at M <= 8 the costs below pick well between the two; at 8 < M <= 16 the workspace
-  // partials cost more than modelled and a cluster split wins whenever one is possible; above M = 16 clusters
-  // are not measured yet and stay off (set_cluster_max_m / QERL_CLUSTER_MAX_M raise the limit, for measuring).
-  const bool clusters = g_cluster && M <= g_cluster_max_m && qerl_pdl::device_supports(x.get_device());
+  // partials cost more than modelled and a cluster split wins whenever one is possible. Session 7: the same holds
+  // at 16 < M <= 32 except on wide weights (clusters_for); at M = 64 clusters won on some shapes and lost on others,
+  // so they stop at M = 32 (set_cluster_max_m / QERL_CLUSTER_MAX_M move the limit).
+  const bool clusters = clusters_for(M, N, K, x.get_device());
   const bool clusters_only = clusters && M > 8 && KT >= 2;
   const int sat = occ;
   int best_s = 1;

@@ -98,9 +98,11 @@ def test_compiled_elementwise_decode(gpu_model):
     assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
 
 
-def test_batched_group_lora_on_cuda(gpu_model):
-    """A rank-8 adapter on every projection: the batched group terms (no-grad calls) against the per-member
-    ones, CUDA graph and fused kernels on: greedy tokens agree, teacher-forced log-probs within bf16 rounding."""
+@pytest.mark.parametrize("lora_kernels", [False, True])
+def test_batched_group_lora_on_cuda(gpu_model, lora_kernels):
+    """A rank-8 adapter on every projection: the batched group terms (no-grad calls; in cuBLAS matmuls or, opt-in,
+    the fused LoRA kernels) against the per-member ones, CUDA graph and fused kernels on: greedy tokens agree,
+    teacher-forced log-probs within bf16 rounding."""
     from qerl_cli.engine import LoRA
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -118,6 +120,7 @@ def test_batched_group_lora_on_cuda(gpu_model):
         eng = Engine(gpu_model, "cuda")
         eng.set_adapter(LoRA(factors, scaling=2.0))
         eng.batch_lora = batched
+        eng.lora_kernels = lora_kernels
         engines.append(eng)
     b0, b1 = (e.generate(PROMPTS, 2, cfg, 0, set(), 0) for e in engines)
     plain = Engine(gpu_model, "cuda").generate(PROMPTS, 2, cfg, 0, set(), 0)

@@ -72,6 +72,35 @@ def model():
     return LlamaForCausalLM(conf).to("cuda", torch.bfloat16).eval()
 
 
+@pytest.mark.parametrize("m,k,r,n", [(8, 3584, 96, 4608), (1, 18944, 32, 3584), (16, 3584, 64, 37888),
+                                     (5, 576, 24, 1536), (9, 200, 256, 66), (16, 64, 256, 2)])
+def test_lora_add_against_fp32_reference(m, k, r, n):
+    """y + bf16(x @ a^T) @ bs in the two fused kernels: within bf16 rounding of the fp32 chain (h rounded to
+    bf16 as the matmul chain rounds it) and of torch's addmm path, deterministic, the output poisoned first."""
+    x, a = _rand(m, k), _rand(r, k, scale=0.05)
+    y, bs = _rand(m, n), _rand(r, n, scale=0.05)
+    out = fused.lora_add(y, x, a, bs)
+    assert out is not None
+    h = (x.float() @ a.float().t()).bfloat16().float()
+    ref = y.float() + h @ bs.float()
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert torch.isfinite(out).all() and err < 4e-3, err
+    chain = torch.addmm(y, x @ a.t(), bs)
+    assert float((out.float() - chain.float()).norm() / chain.float().norm()) < 4e-3
+    assert torch.equal(out, fused.lora_add(y, x, a, bs))  # a fixed summation order
+
+
+def test_lora_add_declines_what_it_does_not_take():
+    """More than 16 rows, K not a multiple of 8, or a non-bf16 factor: None, nothing computed (the engine then
+    uses its matmuls); disagreeing shapes: an error."""
+    x, a, y, bs = _rand(17, 64), _rand(8, 64), _rand(17, 32), _rand(8, 32)
+    assert fused.lora_add(y, x, a, bs) is None
+    assert fused.lora_add(_rand(4, 32), _rand(4, 60), _rand(8, 60), _rand(8, 32)) is None
+    assert fused.lora_add(y[:4], x[:4], a.float(), bs) is None
+    with pytest.raises(ValueError, match="shapes disagree"):
+        fused.lora_add(y[:4], x[:4], _rand(8, 32), bs)
+
+
 PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
 
 

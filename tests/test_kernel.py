@@ -250,11 +250,25 @@ def test_gpu_linear_small_m(n, k, small_m_variant):
 
 @pytest.mark.gpu
 def test_gpu_path_choice():
-    """auto: the mma kernel up to M = 64 except small weights from M = 32 (dequantize + cuBLAS measured faster)."""
+    """auto: the mma kernel up to M = 64 except small weights from M = 32 (dequantize + cuBLAS measured faster),
+    where the K splits of a small weight reduce in thread-block clusters up to the cluster M limit (32 by default,
+    sm_90): there the mma kernel measured faster."""
     _need_kernel()
     ext = kernel._load()
-    assert ext.choose_path(16, 4608, 3584) == 0 and ext.choose_path(32, 4608, 3584) == 1
-    assert ext.choose_path(64, 37888, 3584) == 0 and ext.choose_path(65, 37888, 3584) == 1
+    before_cluster, before_max_m = bool(ext.get_cluster()), int(ext.get_cluster_max_m())
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
+    try:
+        ext.set_cluster_max_m(32)
+        kernel.set_cluster(True)
+        assert ext.choose_path(16, 4608, 3584) == 0
+        assert ext.choose_path(32, 4608, 3584) == (0 if sm90 else 1)
+        assert ext.choose_path(33, 4608, 3584) == 1
+        kernel.set_cluster(False)
+        assert ext.choose_path(32, 4608, 3584) == 1
+        assert ext.choose_path(64, 37888, 3584) == 0 and ext.choose_path(65, 37888, 3584) == 1
+    finally:
+        ext.set_cluster_max_m(before_max_m)
+        kernel.set_cluster(before_cluster)
 
 
 @pytest.mark.gpu

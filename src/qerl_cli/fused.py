@@ -6,10 +6,14 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
   ``w`` is ``[H]`` or one row per group of rows (``[R, 1, H]``, AQN's per-prompt-group noise);
 * ``silu_mul(g, u)`` -> ``silu(g) * u`` on the strided halves of a fused gate/up output, one kernel;
 * ``rope_kv(y, cos, sin, kc, vc, slot0, n_heads)`` -> q with rotary applied ``[B, H, T, D]``; k (rotary
-  applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven.
+  applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
+* ``lora_add(y, x, a, bs)`` -> ``y + bf16(x @ a^T) @ bs`` (a batched LoRA term) for decode steps of at most 16
+  rows, in two small kernels instead of two cuBLAS matmuls (None where the shapes need the matmuls); the engine
+  uses it only when asked (``QERL_ENGINE_LORA_KERNELS=1``): measured slower than the matmuls in session 7.
 
 Each rounds where the torch chain it replaces rounds (``silu_mul`` and ``rope_kv`` bit-exact; ``add_norm``
-sums the squares in another order, at most one bf16 unit apart). The extension is JIT-built on first use like
+sums the squares in another order, at most one bf16 unit apart; ``lora_add`` accumulates in fp32 in its own fixed
+order, so it differs from cuBLAS's ``addmm`` in the last bits). The extension is JIT-built on first use like
 the NVFP4 kernel's; ``available()`` says whether it loaded and ``build_error()`` why not. ``QERL_ENGINE_KERNELS=0``
 turns them off.
 """
@@ -24,9 +28,10 @@ import torch
 
 from . import kernel
 
-__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv"]
+__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "lora_add", "LORA_MAX_ROWS"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
+LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
 
 _lock = threading.Lock()
 _ext = None
@@ -101,3 +106,14 @@ def rope_kv(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Ten
     _load().rope_kv(y.reshape(b * t, -1), cos.reshape(b * t, d), sin.reshape(b * t, d), q, kc, vc,
                     slot0.reshape(1), t)
     return q
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: torch.Tensor) -> torch.Tensor | None:
+    """``y + bf16(x @ a^T) @ bs`` for bf16 ``x [M, K]``, ``a [R, K]``, ``y [M, N]``, ``bs [R, N]`` (contiguous,
+    ``M <= LORA_MAX_ROWS``), fp32 accumulation; None (nothing computed) where the kernels do not take the shapes."""
+    if not (x.dim() == a.dim() == y.dim() == bs.dim() == 2 and a.shape[1] == x.shape[1] and y.shape[0] == x.shape[0]
+            and bs.shape == (a.shape[0], y.shape[1])):
+        raise ValueError(f"lora_add: shapes disagree: x {tuple(x.shape)}, a {tuple(a.shape)}, y {tuple(y.shape)}, "
+                         f"bs {tuple(bs.shape)}")
+    out = torch.empty_like(y)
+    return out if _load().lora_add(x, a, y, bs, out) else None

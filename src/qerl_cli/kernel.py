@@ -17,16 +17,17 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 ``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``) for sm_90a plus generic sm_80/sm_89 code:
 
 * bf16 ``x`` with at most ``large_m_threshold()`` rows (default 64): the mma.sync kernel that streams the
-  packed weight and dequantizes in registers ("cuda-kernel"), except weights of <= 4e7 entries from M = 32 on;
+  packed weight and dequantizes in registers ("cuda-kernel"), except weights of <= 4e7 entries from M = 32 on
+  where their K splits cannot reduce in a cluster (below: above the cluster M limit, or clusters off);
 * those, larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
   ("cuda-dequant-cublas"); ``linear_t`` always takes this path. (``choose_path`` in the CUDA source.)
 * an optional frozen ``bias`` is added in the kernel's epilogue, after the product's bf16 rounding;
 * the small-M kernels (and the engine's fused kernels, ``csrc/fused_ops.cu``) launch with programmatic
   dependent launch on sm_90 (``csrc/pdl.cuh``): a launch overlaps the end of the kernel before it and warms L2
   with its first weight tiles; ``set_pdl(False)`` or ``QERL_PDL=0`` turns it off (results are identical);
-* up to M = 16 the small-M mma kernel's K splits (at most 8) may form one thread-block cluster per row group on
-  sm_90 and add their partials through distributed shared memory (``set_cluster``, ``QERL_CLUSTER=0`` for the
-  workspace path).
+* up to M = 32 (``QERL_CLUSTER_MAX_M``) the small-M mma kernel's K splits (at most 8) may form one thread-block
+  cluster per row group on sm_90 and add their partials through distributed shared memory (``set_cluster``,
+  ``QERL_CLUSTER=0`` for the workspace path); above M = 16 not for wide weights (N > K) of >= 1e8 entries.
 
 Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (at M <= 8:
 ``"v2w8"`` for weights of >= 6e7 entries, ``"v2"`` for smaller ones of >= 5120 rows, ``"default"`` for the rest;
@@ -198,7 +199,7 @@ def set_pdl(on: bool) -> None:
 
 
 def set_cluster(on: bool) -> None:
-    """Split-K reduction of the small-M mma kernel ("default" / "alt", M <= 16) through sm_90 thread-block
+    """Split-K reduction of the small-M mma kernel ("default" / "alt", M <= 32) through sm_90 thread-block
     clusters (default on; ``QERL_CLUSTER=0`` off): the K splits of a row group run as one cluster of at most 8
     CTAs and add their fp32 partials through distributed shared memory, in split order; off, they go through an fp32
     workspace in global memory and the last CTA adds them, in the same order. The split count is chosen per

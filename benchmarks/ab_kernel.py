@@ -1,0 +1,82 @@
+"""A/B of two builds of csrc/nvfp4_kernel.cu in one process: this tree's against another source (for example the
+previous commit's), on the Qwen2.5 linear shapes, auto path and variant, CUDA-graph timings interleaved A, B, A, B
+so that clock drift and the machine affect both alike.
+
+    PYTHONPATH=src python benchmarks/ab_kernel.py --other DIR_WITH_nvfp4_kernel.cu [--ms 1,8,16,32] [--json f]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernel import L2_BYTES, MODELS, random_packed, shapes, time_graph  # noqa: E402
+from qerl_cli import kernel, layout  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--other", required=True, help="directory holding the other nvfp4_kernel.cu (+ its headers)")
+    ap.add_argument("--ms", default="1,8,16,32")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not (torch.cuda.is_available() and kernel.available()):
+        print(f"ab_kernel: needs CUDA and the extension ({kernel.build_error()})", file=sys.stderr)
+        return 2
+    from torch.utils.cpp_extension import load
+
+    src = Path(args.other) / "nvfp4_kernel.cu"
+    other = load(name="qerl_nvfp4_ab", sources=[str(src)], extra_cflags=["-O3"],
+                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+    new = kernel._load()
+    for ext in (new, other):
+        ext.set_variant(3)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for model in args.models.split(","):
+        for layer, n, k in shapes(model):
+            np_, kp = layout.padded_shape(n, k)
+            cq = max(2, math.ceil(4 * L2_BYTES / (np_ * kp * 9 // 16)))
+            qws = [random_packed(n, k, gen) for _ in range(cq)]
+            gs = torch.tensor([2000.0], device="cuda")
+            for m in (int(v) for v in args.ms.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                out = {e: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for e in ("new", "old")}
+                exts = {"new": new, "old": other}
+                paths = {e: int(exts[e].choose_path(m, n, k)) for e in exts}
+                for e in exts:  # same results (to the summation order) before timing
+                    exts[e].linear_out(x, qws[0], gs, n, k, out[e], -1)
+                torch.cuda.synchronize()
+                diff = float((out["new"].float() - out["old"].float()).norm() / out["old"].float().norm())
+                times = {"new": [], "old": []}
+                calls = cq * math.ceil(24 / cq)
+                for _ in range(args.rounds):
+                    for e in ("new", "old"):
+                        times[e].append(1e6 * time_graph(
+                            lambda i, e=e: exts[e].linear_out(x, qws[i], gs, n, k, out[e], -1), cq, calls))
+                row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "paths": paths, "rel_diff": diff,
+                       "new_us": statistics.median(times["new"]), "old_us": statistics.median(times["old"]),
+                       "new_all": times["new"], "old_all": times["old"]}
+                rows.append(row)
+                print(f"{model:12s} {layer:8s} m={m:3d}  new {row['new_us']:7.1f} us  old {row['old_us']:7.1f} us  "
+                      f"({100 * (row['new_us'] / row['old_us'] - 1):+5.1f}%)  paths {paths}  diff {diff:.1e}",
+                      flush=True)
+            del qws
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
