@@ -3,6 +3,9 @@ previous commit's), on the Qwen2.5 linear shapes, auto path and variant, CUDA-gr
 so that clock drift and the machine affect both alike.
 
     PYTHONPATH=src python benchmarks/ab_kernel.py --other DIR_WITH_nvfp4_kernel.cu [--ms 1,8,16,32] [--json f]
+
+With ``--fixups`` instead of ``--other``, A is this build with the batched stream-K fixup of the v2 kernels and B
+the same build with the serial one (``set_fixup(1)`` against ``set_fixup(2)``), on the shapes that run v2.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from qerl_cli import kernel, layout  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--other", required=True, help="directory holding the other nvfp4_kernel.cu (+ its headers)")
+    ap.add_argument("--other", help="directory holding the other nvfp4_kernel.cu (+ its headers)")
+    ap.add_argument("--fixups", action="store_true", help="batched against serial v2 fixup in this build")
     ap.add_argument("--ms", default="1,8,16,32")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rounds", type=int, default=3)
@@ -33,14 +37,24 @@ def main() -> int:
     if not (torch.cuda.is_available() and kernel.available()):
         print(f"ab_kernel: needs CUDA and the extension ({kernel.build_error()})", file=sys.stderr)
         return 2
-    from torch.utils.cpp_extension import load
-
-    src = Path(args.other) / "nvfp4_kernel.cu"
-    other = load(name="qerl_nvfp4_ab", sources=[str(src)], extra_cflags=["-O3"],
-                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+    if bool(args.other) == args.fixups:
+        ap.error("give one of --other DIR and --fixups")
     new = kernel._load()
+    if args.fixups:
+        other, fixup = new, {"new": 1, "old": 2}
+    else:
+        from torch.utils.cpp_extension import load
+
+        src = Path(args.other) / "nvfp4_kernel.cu"
+        other = load(name="qerl_nvfp4_ab", sources=[str(src)], extra_cflags=["-O3"],
+                     extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+        fixup = {}
     for ext in (new, other):
         ext.set_variant(3)
+
+    def use(e: str):  # the fixup of this side (the launch reads it when it is captured)
+        if e in fixup:
+            new.set_fixup(fixup[e])
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for model in args.models.split(","):
@@ -55,6 +69,7 @@ def main() -> int:
                 exts = {"new": new, "old": other}
                 paths = {e: int(exts[e].choose_path(m, n, k)) for e in exts}
                 for e in exts:  # same results (to the summation order) before timing
+                    use(e)
                     exts[e].linear_out(x, qws[0], gs, n, k, out[e], -1)
                 torch.cuda.synchronize()
                 diff = float((out["new"].float() - out["old"].float()).norm() / out["old"].float().norm())
@@ -62,6 +77,7 @@ def main() -> int:
                 calls = cq * math.ceil(24 / cq)
                 for _ in range(args.rounds):
                     for e in ("new", "old"):
+                        use(e)
                         times[e].append(1e6 * time_graph(
                             lambda i, e=e: exts[e].linear_out(x, qws[i], gs, n, k, out[e], -1), cq, calls))
                 row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "paths": paths, "rel_diff": diff,
@@ -73,8 +89,12 @@ def main() -> int:
                       flush=True)
             del qws
             torch.cuda.empty_cache()
+    if fixup:
+        new.set_fixup(0)
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))
+        labels = {"new": "batched fixup", "old": "serial fixup"} if fixup else {"new": "this tree", "old": args.other}
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "labels": labels,
+                                               "rows": rows}, indent=1))
     return 0
 
 

@@ -24,6 +24,11 @@
 #   12                             session 7: build, the fused kernels' and engine's GPU tests (TESTS), then the
 #                                  7B-shape LoRA rollout bench (batched terms in the fused LoRA kernels, in cuBLAS,
 #                                  per member)
+#   13                             session 8: build, the extensions' bad-argument test, the fused kernels' GPU tests
+#                                  and the v2 fixup equality test, LoRA terms per fused group (probe_small --lora),
+#                                  A/B of the v2 fixups (batched against serial) at M = 1-16
+#   14                             session 8 (after 13, warm): kernel and engine GPU tests (TESTS), then the
+#                                  7B-shape LoRA rollout bench
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -109,6 +114,29 @@ case "${1:?part 1, 2, 3, 4, 5, 6, 7, 8 or 9}" in
   timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 \
     --json "$OUT/rollout_7b_lora.json" 2>&1 | grep -v '^{' | tee "$OUT/bench_rollout_7b_lora.log"
   stamp 12 "7B LoRA rollout bench done"
+  ;;
+13)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 13 "kernels built"
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_extension_errors_gpu.py \
+    tests/test_fused_gpu.py "tests/test_kernel.py::test_gpu_v2_fixups_bit_identical" 2>&1 | tail -12 \
+    | tee "$OUT/gpu_tests.log"
+  stamp 13 "GPU tests done"
+  timeout 90 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/lora_terms_m8.log"
+  stamp 13 "LoRA terms probed"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/ab_kernel.py --fixups --ms ${MS:-1,2,4,8,16} \
+    --json "$OUT/ab_fixup.json" 2>&1 | grep -v Warning | tee "$OUT/ab_fixup.log"
+  stamp 13 "fixup A/B done"
+  ;;
+14)
+  build; stamp 14 "kernels built"
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_kernel.py tests/test_engine_gpu.py} \
+    2>&1 | tail -12 | tee "$OUT/gpu_tests2.log"
+  stamp 14 "GPU tests done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 \
+    --json "$OUT/rollout_7b_lora.json" 2>&1 | grep -v '^{' | tee "$OUT/bench_rollout_7b_lora.log"
+  stamp 14 "7B LoRA rollout bench done"
   ;;
 8)
   build; stamp 8 "kernels built"

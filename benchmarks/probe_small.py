@@ -8,8 +8,11 @@ For the Qwen2.5-7B linear shapes at one M it times, in CUDA-graph replays (weigh
   * ``launch``    a graph of 64-element fills: the per-launch floor of a graph
 With ``--ncu`` it instead runs each of our launches (and cuBLAS's) a few times eagerly, for
 ``ncu --kernel-name regex:...`` to read their counters (benchmarks/gpu_session.sh part 10).
+With ``--lora R`` it times what a rank-R adapter adds to each fused group (q/k/v: three members, gate/up: two):
+the base launch alone, base + the engine's cuBLAS terms (``x @ A^T`` then ``addmm``), base + the fused LoRA
+kernels (``fused.lora_add`` with the members' segments).
 
-    PYTHONPATH=src python benchmarks/probe_small.py [--m 8] [--json out.json] [--ncu]
+    PYTHONPATH=src python benchmarks/probe_small.py [--m 8] [--json out.json] [--ncu | --lora 32]
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernel import L2_BYTES, random_packed, shapes, time_graph  # noqa: E402
+from bench_kernel import L2_BYTES, MODELS, random_packed, shapes, time_graph  # noqa: E402
 from qerl_cli import kernel, layout  # noqa: E402
 
 
@@ -34,10 +37,13 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--json", default=None)
     ap.add_argument("--ncu", action="store_true", help="eager launches for ncu instead of timings")
+    ap.add_argument("--lora", type=int, default=0, help="rank: time the LoRA terms of each fused group instead")
     args = ap.parse_args()
     if not (torch.cuda.is_available() and kernel.available()):
         print(f"probe_small: needs CUDA and the extension ({kernel.build_error()})", file=sys.stderr)
         return 2
+    if args.lora:
+        return lora_probe(args)
     gen = torch.Generator(device="cuda").manual_seed(0)
     m = args.m
     rows = []
@@ -103,6 +109,55 @@ def main() -> int:
             rows.append({"layer": "sdpa", "backend": name, "us": us, "b": b, "slots": slots})
             print(f"sdpa {name:12s} b={b} heads={h}/{kv} slots={slots}: {us:6.2f} us", flush=True)
     if args.json and rows:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))
+    return 0
+
+
+def lora_probe(args) -> int:
+    from qerl_cli import fused
+    from qerl_cli.engine import _lora_add
+
+    if not fused.available():
+        print(f"probe_small: the fused kernels did not build ({fused.build_error()})", file=sys.stderr)
+        return 2
+    h, inter, nh, nkv, hd = MODELS[args.model]
+    groups = {"qkv": [nh * hd, nkv * hd, nkv * hd], "o": [h], "gate_up": [inter, inter], "down": [h]}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, r, rows = args.m, args.lora, []
+    for layer, n, k in shapes(args.model):
+        sizes = groups[layer]
+        np_, kp = layout.padded_shape(n, k)
+        cq = max(2, math.ceil(4 * L2_BYTES / (np_ * kp * 9 // 16)))
+        qws = [random_packed(n, k, gen) for _ in range(cq)]
+        gs = torch.tensor([2000.0], device="cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        a = torch.randn(r * len(sizes), k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
+        bs = torch.zeros(r * len(sizes), n, device="cuda", dtype=torch.bfloat16)
+        segs, col = [], 0
+        for j, size in enumerate(sizes):
+            bs[j * r: (j + 1) * r, col: col + size] = torch.randn(r, size, device="cuda", generator=gen) * 0.05
+            col += size
+            segs += [col, j * r, (j + 1) * r]
+        terms = (a, bs, tuple(segs))
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        calls = cq * max(1, 240 // cq)
+
+        def run(i, lora: str):
+            y = kernel.linear(x, qws[i], gs, n, k, out=out)
+            return y if lora == "none" else _lora_add(y, x, terms, kernels=lora == "kernels")
+
+        with torch.no_grad():
+            check = {v: run(0, v).clone() for v in ("cublas", "kernels")}
+            diff = float((check["kernels"].float() - check["cublas"].float()).norm() / check["cublas"].float().norm())
+            row = {"layer": layer, "n": n, "k": k, "m": m, "rank": r, "members": len(sizes), "rel_diff": diff}
+            for v in ("none", "cublas", "kernels"):
+                row[f"{v}_us"] = 1e6 * time_graph(lambda i, v=v: run(i, v), cq, calls)
+        rows.append(row)
+        print(f"{layer:8s} n={n:6d} k={k:6d} m={m} rank {r}x{len(sizes)}: base {row['none_us']:6.2f} us  "
+              f"+cuBLAS terms {row['cublas_us'] - row['none_us']:+6.2f}  +fused kernels "
+              f"{row['kernels_us'] - row['none_us']:+6.2f}  (diff {diff:.1e})", flush=True)
+        del qws
+    if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))
     return 0
 

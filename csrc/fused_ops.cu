@@ -16,6 +16,10 @@
 // memory (programmatic dependent launch, csrc/pdl.cuh): a launch's latency hides behind the previous kernel.
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -115,131 +119,198 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ g, const bf16* __restri
 
 // LoRA terms of the engine's decode steps (M <= 16 rows), in two small PDL kernels instead of two cuBLAS matmuls
 // (each of those often a gemm plus a split-K reduce, none overlapping its neighbours):
-//   lora_shrink: part[s, m, r] = sum over K chunk s of x[m, k] * a[r, k]                       (fp32)
-//   lora_expand: out[m, n] = bf16(float(y[m, n]) + sum_r float(bf16(sum_s part[s, m, r])) * float(bs[r, n]))
-// which is addmm(y, x @ a^T, bs) with h = x @ a^T rounded to bf16 in between, as the cuBLAS chain rounds it, and
-// fp32 accumulation; every sum runs in a fixed order (the result does not depend on scheduling).
+//   lora_shrink: h[m, r] = bf16(sum over k of x[m, k] * a[r, k])   (fp32 sums, h kept as fp32 of the bf16 value)
+//   lora_expand: out[m, n] = bf16(float(y[m, n]) + sum over r of h[m, r] * float(bs[r, n]))
+// which is addmm(y, x @ a^T, bs) with h = x @ a^T rounded to bf16 in between, as the cuBLAS chain rounds it.
+// Both factors are constants of the decode step, so each kernel loads its factor slice before waiting for the
+// kernel before it (PDL): what is left after the wait is one round trip for the activations, the arithmetic,
+// and (shrink) one ticket and one gather of the K-split partials. Every sum runs in a fixed order: the result
+// does not depend on scheduling. bs may be block-diagonal (a fused group's members, each its own rank rows):
+// the expand kernel reads only the rows of its column's member (LoraSegs), not the zero blocks.
 constexpr int kLoraMaxM = 16;
 constexpr int kShrinkWarps = 8;
 constexpr int kShrinkRowsPerWarp = 2;
 constexpr int kShrinkRows = kShrinkWarps * kShrinkRowsPerWarp;  // rows of a per block
 constexpr int kShrinkStep = 256;                                // inputs per step: 8 per lane
+constexpr int kShrinkMaxTiles = 256;                            // row tiles (R <= 4096): one ticket each
 constexpr int kExpandThreads = 64;                              // 2 output columns each: more blocks
-constexpr int kExpandPartials = 2048;  // most partial sums the expand kernel gathers (8 KB: 2 L2 round trips)
+constexpr int kExpandBatch = 32;                                // rows of bs whose loads are in flight together
+constexpr int kLoraMaxSegs = 8;
 
-template <int MT>
+// column ranges of bs with their nonzero rows: columns [col_end[i-1], col_end[i]) use rows [row_begin[i],
+// row_end[i]) (col_end[-1] = 0; a member without a term has row_begin == row_end)
+struct LoraSegs {
+  int n;
+  int col_end[kLoraMaxSegs];
+  int row_begin[kLoraMaxSegs];
+  int row_end[kLoraMaxSegs];
+};
+
+// block (s, t): rows [16 t, 16 t + 16) of a over the K chunk [s * U * 256, (s + 1) * U * 256); the last block of a
+// row tile to finish (ticket) adds the tile's partials in chunk order and writes h
+template <int MT, int U>
 __global__ void __launch_bounds__(kShrinkWarps * 32) lora_shrink_kernel(const bf16* __restrict__ x,
                                                                         const bf16* __restrict__ a,
-                                                                        float* __restrict__ part, int M, int K,
-                                                                        int R, int kc) {
+                                                                        float* __restrict__ part,
+                                                                        float* __restrict__ h, int* counters,
+                                                                        int M, int K, int R, int S) {
+  constexpr int CH = U * kShrinkStep;
+  __shared__ __align__(16) bf16 xs[MT][CH];
+  __shared__ int s_last;
   qerl_pdl::trigger();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int s = blockIdx.x;
-  const int r0 = blockIdx.y * kShrinkRows + warp * kShrinkRowsPerWarp;
-  const int k0 = s * kc, k1 = min(K, k0 + kc);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int s = blockIdx.x, tile = blockIdx.y;
+  const int r0 = tile * kShrinkRows + warp * kShrinkRowsPerWarp;
+  const int k0 = s * CH;
+  Vec8 zero;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) zero.v[j] = b(0.f);
+  Vec8 av[kShrinkRowsPerWarp][U];  // the factor's slice: a constant, loaded before the wait
+#pragma unroll
+  for (int i = 0; i < kShrinkRowsPerWarp; ++i)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + u * kShrinkStep + 8 * lane;
+      av[i][u] = (k < K && r0 + i < R) ? ld8(a + (size_t)(r0 + i) * K + k) : zero;
+    }
+  qerl_pdl::wait();
+  {  // the activations' chunk into shared memory, every load in flight at once (zeros past K)
+    constexpr int PER = MT * (CH / 8) / (kShrinkWarps * 32);
+    Vec8 xv[PER];
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
+      const int idx = p * kShrinkWarps * 32 + tid, m = idx / (CH / 8), k = k0 + 8 * (idx % (CH / 8));
+      xv[p] = (m < M && k < K) ? ld8(x + (size_t)m * K + k) : zero;
+    }
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
+      const int idx = p * kShrinkWarps * 32 + tid;
+      st8(&xs[idx / (CH / 8)][8 * (idx % (CH / 8))], xv[p]);
+    }
+  }
+  __syncthreads();
   float acc[kShrinkRowsPerWarp][MT];
 #pragma unroll
   for (int i = 0; i < kShrinkRowsPerWarp; ++i)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[i][m] = 0.f;
-  qerl_pdl::wait();
-  constexpr int U = 4;  // steps whose factor loads are in flight together (latency, not bandwidth, bounds this)
-  for (int kb = k0; kb < k1; kb += U * kShrinkStep) {
-    Vec8 av[U][kShrinkRowsPerWarp];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u * kShrinkStep + 8 * lane;
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (m >= M) break;
+      const Vec8 xv = ld8(&xs[m][u * kShrinkStep + 8 * lane]);
 #pragma unroll
       for (int i = 0; i < kShrinkRowsPerWarp; ++i)
-        if (k < k1 && r0 + i < R) av[u][i] = ld8(a + (size_t)(r0 + i) * K + k);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][m] += f(av[i][u].v[j]) * f(xv.v[j]);
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u * kShrinkStep + 8 * lane;
-      if (k >= k1) break;
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (m >= M) break;
-        const Vec8 xv = ld8(x + (size_t)m * K + k);
-#pragma unroll
-        for (int i = 0; i < kShrinkRowsPerWarp; ++i)
-          if (r0 + i < R) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[i][m] += f(av[u][i].v[j]) * f(xv.v[j]);
-          }
-      }
-    }
-  }
 #pragma unroll
   for (int i = 0; i < kShrinkRowsPerWarp; ++i)
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
+      if (m >= M) break;
       float v = acc[i][m];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && m < M && r0 + i < R) part[((size_t)s * M + m) * R + r0 + i] = v;
+      if (lane == (m & 31) && r0 + i < R) part[((size_t)s * M + m) * R + r0 + i] = v;
     }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&counters[tile], 1) == S - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int m = tid / kShrinkRows, r = tile * kShrinkRows + tid % kShrinkRows;  // 256 threads: M <= 16 rows
+  if (m < M && r < R) {
+    const float* p0 = part + (size_t)m * R + r;
+    const size_t stride = (size_t)M * R;
+    float sum = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 16) {  // sixteen loads in flight, added in chunk order
+      float v[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = s0 + j < S ? __ldcg(p0 + (size_t)(s0 + j) * stride) : 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (s0 + j < S) sum += v[j];
+    }
+    h[(size_t)m * R + r] = f(b(sum));
+  }
+  if (tid == 0) counters[tile] = 0;  // ready for the next launch on this stream
 }
 
+// thread: output columns n, n + 1 (one member's: segment boundaries are even) of every row
 template <int MT>
-__global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float* __restrict__ part, int S,
+__global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float* __restrict__ h,
                                                                      const bf16* __restrict__ y,
                                                                      const bf16* __restrict__ bs,
-                                                                     bf16* __restrict__ out, int M, int N, int R) {
+                                                                     bf16* __restrict__ out, int M, int N, int R,
+                                                                     LoraSegs segs) {
   qerl_pdl::trigger();
-  extern __shared__ float sm[];  // [S][M][R] partials, then h [M][R]
+  extern __shared__ float hs[];  // h [M][R]
   const int tid = threadIdx.x;
-  const int total = S * M * R, mr = M * R;
-  float* hs = sm + total;
+  const int n = (blockIdx.x * kExpandThreads + tid) * 2;
+  int rb = 0, re = 0;
+  bool found = n >= N;
+#pragma unroll
+  for (int i = 0; i < kLoraMaxSegs; ++i)  // (unrolled: the parameter arrays stay out of local memory)
+    if (!found && i < segs.n && n < segs.col_end[i]) {
+      rb = segs.row_begin[i];
+      re = segs.row_end[i];
+      found = true;
+    }
+  __nv_bfloat162 bv[kExpandBatch];  // the first batch of the factor's rows: a constant, loaded before the wait
+#pragma unroll
+  for (int j = 0; j < kExpandBatch; ++j)
+    if (rb + j < re) bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(rb + j) * N + n);
   qerl_pdl::wait();
-  for (int i0 = tid; i0 < total; i0 += 16 * kExpandThreads) {  // sixteen loads in flight per thread
+  const int mr = M * R;
+  for (int i0 = tid; i0 < mr; i0 += 16 * kExpandThreads) {  // sixteen loads in flight per thread
     float v[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int i = i0 + j * kExpandThreads;
-      v[j] = i < total ? __ldcg(part + i) : 0.f;
+      v[j] = i < mr ? __ldcg(h + i) : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      if (i0 + j * kExpandThreads < total) sm[i0 + j * kExpandThreads] = v[j];
+      if (i0 + j * kExpandThreads < mr) hs[i0 + j * kExpandThreads] = v[j];
   }
+  __nv_bfloat162 yv[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+    if (m < M && n < N) yv[m] = *reinterpret_cast<const __nv_bfloat162*>(y + (size_t)m * N + n);
   __syncthreads();
-  for (int e = tid; e < mr; e += kExpandThreads) {
-    float sum = 0.f;
-    for (int s = 0; s < S; ++s) sum += sm[s * mr + e];
-    hs[e] = f(b(sum));
-  }
-  __syncthreads();
-  const int n = (blockIdx.x * kExpandThreads + tid) * 2;
   if (n >= N) return;
   float acc[MT][2];
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = 0.f;
-  constexpr int RB = 32;  // rows of bs whose loads are in flight together (one round trip per batch)
-  for (int r0 = 0; r0 < R; r0 += RB) {
-    __nv_bfloat162 bv[RB];
+  for (int r0 = rb; r0 < re; r0 += kExpandBatch) {
+    if (r0 > rb) {
 #pragma unroll
-    for (int j = 0; j < RB; ++j)
-      if (r0 + j < R) bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(r0 + j) * N + n);
+      for (int j = 0; j < kExpandBatch; ++j)
+        if (r0 + j < re) bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(r0 + j) * N + n);
+    }
 #pragma unroll
-    for (int j = 0; j < RB; ++j) {
-      if (r0 + j >= R) break;
-      const float b0 = __low2float(bv[j]), b1 = __high2float(bv[j]);
+    for (int j = 0; j < kExpandBatch; ++j) {
+      if (r0 + j < re) {
+        const float b0 = __low2float(bv[j]), b1 = __high2float(bv[j]);
 #pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (m >= M) break;
-        const float hv = hs[m * R + r0 + j];
-        acc[m][0] += hv * b0;
-        acc[m][1] += hv * b1;
+        for (int m = 0; m < MT; ++m) {
+          if (m < M) {
+            const float hv = hs[m * R + r0 + j];
+            acc[m][0] += hv * b0;
+            acc[m][1] += hv * b1;
+          }
+        }
       }
     }
   }
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
     if (m >= M) break;
-    const __nv_bfloat162 yv = *reinterpret_cast<const __nv_bfloat162*>(y + (size_t)m * N + n);
     *reinterpret_cast<__nv_bfloat162*>(out + (size_t)m * N + n) =
-        __floats2bfloat162_rn(__low2float(yv) + acc[m][0], __high2float(yv) + acc[m][1]);
+        __floats2bfloat162_rn(__low2float(yv[m]) + acc[m][0], __high2float(yv[m]) + acc[m][1]);
   }
 }
 
@@ -390,48 +461,85 @@ void rope_kv(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, 
                                    static_cast<int>(d), kc.size(2)));
 }
 
+// one self-resetting ticket buffer per (device, stream) for lora_shrink_kernel: launches on one stream are
+// serialized (each waits for the one before it), so they can share it
+int* lora_counters(const at::Tensor& like) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  const int dev = like.get_device();
+  const auto key = std::make_pair(dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, at::zeros({kShrinkMaxTiles}, like.options().dtype(at::kInt))).first;
+  return it->second.data_ptr<int>();
+}
+
+template <int MT, int U>
+void launch_lora(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, const at::Tensor& bs,
+                 at::Tensor& out, const LoraSegs& segs) {
+  const int M = static_cast<int>(x.size(0)), K = static_cast<int>(x.size(1)), R = static_cast<int>(a.size(0));
+  const int N = static_cast<int>(y.size(1));
+  const int dev = x.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int S = (K + U * kShrinkStep - 1) / (U * kShrinkStep), tiles = (R + kShrinkRows - 1) / kShrinkRows;
+  at::Tensor part = at::empty({(int64_t)S * M * R + (int64_t)M * R}, x.options().dtype(at::kFloat));
+  float* pp = part.data_ptr<float>();
+  float* hp = pp + (size_t)S * M * R;
+  C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<MT, U>, dim3(S, tiles), dim3(kShrinkWarps * 32), 0, stream, dev,
+                                   cptr(x), cptr(a), pp, hp, lora_counters(x), M, K, R, S));
+  C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<MT>, dim3(blocks_for(N / 2, kExpandThreads)),
+                                   dim3(kExpandThreads), (size_t)M * R * sizeof(float), stream, dev,
+                                   static_cast<const float*>(hp), cptr(y), cptr(bs), mptr(out), M, N, R, segs));
+}
+
 // out [M, N] = y + bf16(x @ a^T) @ bs for M <= 16 decode rows (see lora_shrink_kernel): x [M, K], a [R, K],
-// y / out [M, N], bs [R, N], all contiguous bf16; K % 8 == 0, N % 2 == 0, M * R <= 4096. Returns false (nothing
-// launched) when the tensors are outside what the kernels take: the caller then uses its matmuls.
-bool lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, const at::Tensor& bs, at::Tensor& out) {
+// y / out [M, N], bs [R, N], all contiguous bf16; K % 8 == 0, N % 2 == 0, M * R <= 4096, R <= 4096. segs: flat
+// (col_end, row_begin, row_end) triples, at most 8, col_end increasing, even and ending at N: columns up to
+// col_end read only rows [row_begin, row_end) of bs (its other rows there must be zero); empty: every row.
+// Returns false (nothing launched) when the tensors are outside what the kernels take: the caller then uses its
+// matmuls.
+bool lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, const at::Tensor& bs, at::Tensor& out,
+              const std::vector<int64_t>& segs) {
   const at::Tensor* args[] = {&x, &a, &y, &bs, &out};
   for (const at::Tensor* t : args) {
     if (!t->is_cuda() || t->scalar_type() != at::kBFloat16 || !t->is_contiguous() || t->dim() != 2 ||
-        reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0)
+        reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0 || t->get_device() != x.get_device())
       return false;
   }
   const int64_t M = x.size(0), K = x.size(1), R = a.size(0), N = y.size(1);
   // (fused.lora_add raises on disagreeing shapes before calling; here they only decline: session 7's GPU run
   // crashed the process when a TORCH_CHECK of this function threw, cause not established)
   if (a.size(1) != K || y.size(0) != M || bs.size(0) != R || bs.size(1) != N || out.sizes() != y.sizes()) return false;
-  if (M < 1 || M > kLoraMaxM || R < 1 || K % 8 != 0 || N % 2 != 0 || M * R > 4096) return false;
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int dev = x.get_device();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int rt = static_cast<int>((R + kShrinkRows - 1) / kShrinkRows);
-  // K chunks: enough blocks to spread the factor's bytes, no more partial sums than the expand kernel gathers
-  // quickly (every one of its blocks reads them all), each chunk a whole number of steps
-  int64_t s_want = std::max<int64_t>(1, std::min<int64_t>({32, (128 + rt - 1) / rt, kExpandPartials / (M * R)}));
-  int64_t kc = (K + s_want - 1) / s_want;
-  kc = (kc + kShrinkStep - 1) / kShrinkStep * kShrinkStep;
-  const int64_t S = (K + kc - 1) / kc;
-  at::Tensor part = at::empty({S * M * R}, x.options().dtype(at::kFloat));
-  const size_t smem = static_cast<size_t>(S * M * R + M * R) * sizeof(float);
-  const dim3 sgrid(static_cast<unsigned>(S), static_cast<unsigned>(rt));
-  const dim3 egrid(static_cast<unsigned>((N / 2 + kExpandThreads - 1) / kExpandThreads));
-  const int Mi = static_cast<int>(M), Ki = static_cast<int>(K), Ri = static_cast<int>(R), Ni = static_cast<int>(N);
-  if (M <= 8) {
-    C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<8>, sgrid, dim3(kShrinkWarps * 32), 0, stream, dev, cptr(x),
-                                     cptr(a), part.data_ptr<float>(), Mi, Ki, Ri, static_cast<int>(kc)));
-    C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<8>, egrid, dim3(kExpandThreads), smem, stream, dev,
-                                     static_cast<const float*>(part.data_ptr<float>()), static_cast<int>(S), cptr(y),
-                                     cptr(bs), mptr(out), Mi, Ni, Ri));
+  if (M < 1 || M > kLoraMaxM || R < 1 || R > kShrinkRows * kShrinkMaxTiles || K % 8 != 0 || K >= (1 << 30) ||
+      N % 2 != 0 || N >= (1 << 30) || M * R > 4096)
+    return false;
+  LoraSegs sg{};
+  if (segs.empty()) {
+    sg.n = 1;
+    sg.col_end[0] = static_cast<int>(N);
+    sg.row_end[0] = static_cast<int>(R);
   } else {
-    C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<16>, sgrid, dim3(kShrinkWarps * 32), 0, stream, dev,
-                                     cptr(x), cptr(a), part.data_ptr<float>(), Mi, Ki, Ri, static_cast<int>(kc)));
-    C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<16>, egrid, dim3(kExpandThreads), smem, stream, dev,
-                                     static_cast<const float*>(part.data_ptr<float>()), static_cast<int>(S), cptr(y),
-                                     cptr(bs), mptr(out), Mi, Ni, Ri));
+    if (segs.size() % 3 != 0 || segs.size() / 3 > (size_t)kLoraMaxSegs) return false;
+    sg.n = static_cast<int>(segs.size() / 3);
+    int64_t prev = 0;
+    for (int i = 0; i < sg.n; ++i) {
+      const int64_t ce = segs[3 * i], rb = segs[3 * i + 1], re = segs[3 * i + 2];
+      if (ce <= prev || ce % 2 != 0 || rb < 0 || rb > re || re > R) return false;
+      sg.col_end[i] = static_cast<int>(ce);
+      sg.row_begin[i] = static_cast<int>(rb);
+      sg.row_end[i] = static_cast<int>(re);
+      prev = ce;
+    }
+    if (prev != N) return false;
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool wide = K > 8192;  // longer K chunks: fewer partials to gather
+  if (M <= 8) {
+    if (wide) launch_lora<8, 4>(x, a, y, bs, out, sg);
+    else launch_lora<8, 2>(x, a, y, bs, out, sg);
+  } else {
+    if (wide) launch_lora<16, 4>(x, a, y, bs, out, sg);
+    else launch_lora<16, 2>(x, a, y, bs, out, sg);
   }
   return true;
 }
@@ -446,7 +554,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &qerl_fused::silu_mul, "out = silu(g) * u (bf16 rows)");
   m.def("rope_kv", &qerl_fused::rope_kv, "rotary on q and k of a fused qkv row; k, v into the KV cache");
   m.def("lora_add", &qerl_fused::lora_add,
-        "out = y + bf16(x @ a^T) @ bs for decode rows (M <= 16); false when the shapes need the matmul path");
+        "out = y + bf16(x @ a^T) @ bs for decode rows (M <= 16); false when the shapes need the matmul path",
+        py::arg("x"), py::arg("a"), py::arg("y"), py::arg("bs"), py::arg("out"),
+        py::arg("segs") = std::vector<int64_t>());
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; }, "programmatic dependent launch on/off");
 }
 #endif

@@ -196,12 +196,32 @@ __device__ __forceinline__ void cluster_reduce(const float* part, __nv_bfloat16*
 }
 
 // Deterministic stream-K fixup (nvfp4_mma_v2_kernel): element i = m * rows + nn (of `total`; nn >= nrows skipped) is the sum
-// over the `nslots` partial slots j, at ws + slot_off(j) + elem_off(i), added in slot order (0 + p0 + p1 + ...). Each
-// thread takes 4 elements at a time and keeps up to 4 x 8 loads in flight: the fixup is a tail on the kernel's
-// critical path, so it is latency that counts here (one element at a time was one L2 round trip per slot batch).
-template <int THREADS, typename ElemOff, typename SlotOff, typename Emit>
+// over the `nslots` partial slots j, at ws + slot_off(j) + i, added in slot order (0 + p0 + p1 + ...).
+// Batched (session 7): each thread takes 4 elements at a time and keeps up to 4 x 8 loads in flight: the fixup is
+// a tail on the kernel's critical path, so it is latency that counts here. Serial (session 6): one element at a
+// time, four slots in flight. Which one is faster depends on M (the host picks, `fixup_for`).
+template <int THREADS, typename SlotOff, typename Emit>
 __device__ __forceinline__ void ordered_slot_sum(const float* ws, int total, int rows, int nrows, int nslots,
-                                                 ElemOff elem_off, SlotOff slot_off, Emit emit) {
+                                                 bool batched, SlotOff slot_off, Emit emit) {
+  if (!batched) {
+    for (int i = (int)threadIdx.x; i < total; i += THREADS) {
+      if (i % rows >= nrows) continue;
+      const float* pe = ws + i;
+      float sum = 0.f;
+      int j = 0;
+      for (; j + 4 <= nslots; j += 4) {
+        const float v0 = __ldcg(pe + slot_off(j)), v1 = __ldcg(pe + slot_off(j + 1));
+        const float v2 = __ldcg(pe + slot_off(j + 2)), v3 = __ldcg(pe + slot_off(j + 3));
+        sum += v0;
+        sum += v1;
+        sum += v2;
+        sum += v3;
+      }
+      for (; j < nslots; ++j) sum += __ldcg(pe + slot_off(j));
+      emit(i, sum);
+    }
+    return;
+  }
   constexpr int EB = 4;
   for (int i0 = (int)threadIdx.x; i0 < total; i0 += EB * THREADS) {
     bool ok[EB];
@@ -211,7 +231,7 @@ __device__ __forceinline__ void ordered_slot_sum(const float* ws, int total, int
     for (int e = 0; e < EB; ++e) {
       const int i = i0 + e * THREADS;
       ok[e] = i < total && (i % rows) < nrows;
-      pe[e] = ws + (ok[e] ? elem_off(i) : 0);
+      pe[e] = ws + (ok[e] ? i : 0);
       sum[e] = 0.f;
     }
     for (int j0 = 0; j0 < nslots; j0 += 8) {
@@ -503,7 +523,7 @@ template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG) {
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup) {
   qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged (M <= MP: one slice)
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements)
@@ -705,7 +725,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       // slot 1 of the first CTA only when its range starts inside an earlier row group
       const size_t slot_stride = (size_t)M * ROWS;
       const size_t first_slot = (size_t)(2 * bfirst + (sk_begin(bfirst, W, P) >= (int64_t)rg * KT ? 0 : 1));
-      ordered_slot_sum<NW * 32>(ws, mslice * ROWS, ROWS, nrows, blast - bfirst + 1, [](int i) { return (size_t)i; },
+      ordered_slot_sum<NW * 32>(ws, mslice * ROWS, ROWS, nrows, blast - bfirst + 1, batched_fixup != 0,
                                 [&](int j) {
         return (j == 0 ? first_slot : (size_t)(2 * (bfirst + j))) * slot_stride;
       }, [&](int i, float sum) {
@@ -816,7 +836,7 @@ QERL_MMA_CONFIGS(QERL_INSTANCE)
 #define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB, NW)                                                      \
   template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>(                               \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
-      int, int, int, int, int);
+      int, int, int, int, int, int);
 QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
@@ -843,6 +863,16 @@ static int64_t g_cluster_max_m = [] {  // clusters up to this M (measured to hel
   const char* e = std::getenv("QERL_CLUSTER_MAX_M");
   return (int64_t)(e && *e ? std::atoll(e) : 32);
 }();
+// stream-K fixup of the v2 kernel (ordered_slot_sum): 0 auto (fixup_for), 1 batched, 2 serial (QERL_FIXUP)
+static int g_fixup = [] {
+  const char* e = std::getenv("QERL_FIXUP");
+  return (e && (e[0] == '1' || e[0] == '2')) ? e[0] - '0' : 0;
+}();
+// Auto: serial while every thread has at most one element to sum (M <= 2: M * 16 * NW elements, 32 * NW threads),
+// where the session-6 serial fixup measured faster than the batched one (session 7 A/B, M = 1: 7B down 17.6
+// against 19.5 us, 32B o 10.2 against 11.5); batched from there on (M = 8: 7B down 20.5 against 21.8, M = 16: 7B
+// gate_up 34.8 against 38.3).
+static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster
 
@@ -1097,7 +1127,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(),
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
                                    gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG));
+                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M)));
 }
 
 // x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous (+ bias [N] of x's dtype, added after the bf16
@@ -1179,6 +1209,10 @@ void set_split_override(int64_t s) {
   TORCH_CHECK(s >= 0, "qerl: the split override must be >= 0 (0: chosen per shape)");
   g_split_override = s;
 }
+void set_fixup(int64_t v) {
+  TORCH_CHECK(v >= 0 && v <= 2, "qerl: fixup must be 0 (auto, per M), 1 (batched) or 2 (serial)");
+  g_fixup = (int)v;
+}
 void set_variant(int64_t v) {
   TORCH_CHECK(v >= 0 && v <= 4,
               "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2), 3 (auto, per shape) or 4 "
@@ -1200,7 +1234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_cluster", &qerl::set_cluster,
         "split-K of the small-M mma kernel reduced in thread-block clusters (sm_90+) instead of a workspace");
   m.def("get_cluster", [] { return qerl::g_cluster != 0; });
-  m.def("set_cluster_max_m", &qerl::set_cluster_max_m, "largest M whose K splits may reduce in a cluster (default 16)");
+  m.def("set_cluster_max_m", &qerl::set_cluster_max_m, "largest M whose K splits may reduce in a cluster (default 32)");
   m.def("get_cluster_max_m", [] { return qerl::g_cluster_max_m; });
   m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
   m.def("last_split", [] { return qerl::g_last_split; },
@@ -1214,5 +1248,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 16, 3 auto (per shape), "
         "4 v2 with 8 warps per block");
   m.def("get_variant", &qerl::get_variant);
+  m.def("set_fixup", &qerl::set_fixup,
+        "stream-K fixup of the v2 kernel: 0 auto (per M), 1 batched (4 elements x 8 slots in flight), 2 serial");
+  m.def("get_fixup", [] { return (int64_t)qerl::g_fixup; });
 }
 #endif

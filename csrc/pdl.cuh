@@ -6,7 +6,11 @@
 // they read anything an earlier kernel wrote or write anything at all: wait() returns once every earlier grid
 // has completed and its memory is visible. Before wait() only work that is correct whatever the earlier
 // kernels do is allowed: a prefetch into L2 is a hint (L2 is the point of coherence, so a later write by the
-// earlier kernel is still what the real load after wait() sees), a load of the weight itself is not.
+// earlier kernel is still what the real load after wait() sees), and a real load only of data that no kernel
+// calling trigger() writes. Such a kernel overlaps only kernels launched after its trigger(), and one that never
+// calls it (every torch kernel, every copy) completes before its successor starts, hence before anything later
+// starts: the LoRA factors (written by torch ops, loaded by the LoRA kernels before their wait) are safe; the
+// packed weight is only prefetched (the kernel cannot know what wrote it).
 // Kernels launched without the attribute (or by torch) order as usual; on GPUs before sm_90 both calls compile
 // to nothing and launch() leaves the attribute off. QERL_PDL=0 turns the attribute off everywhere.
 #pragma once

@@ -289,8 +289,10 @@ def test_batched_group_lora_equals_per_member_terms(model):
     eng = Engine(m, fuse=True)
     eng.set_adapter(LoRA(factors, scaling=2.0))
     f = eng.fused[0]["qkv"]
-    a, bs = E._lora_terms(f.modules, f.names, f.sizes, eng.lora)
+    a, bs, segs = E._lora_terms(f.modules, f.names, f.sizes, eng.lora)
     assert a.shape == (4 + 7, m.config.hidden_size) and bs.shape == (11, sum(f.sizes))
+    q_end, k_end = f.sizes[0], f.sizes[0] + f.sizes[1]
+    assert segs == (q_end, 0, 4, k_end, 4, 4, sum(f.sizes), 4, 11)  # each member's columns and rank rows
     assert float(bs[:, f.sizes[0]: f.sizes[0] + f.sizes[1]].abs().max()) == 0.0  # k has no term: zero block
     q_b = factors["model.layers.0.self_attn.q_proj"][1]
     assert torch.equal(bs[:4, : f.sizes[0]], q_b.t() * 2.0) and float(bs[4:, : f.sizes[0]].abs().max()) == 0.0

@@ -90,6 +90,26 @@ def test_lora_add_against_fp32_reference(m, k, r, n):
     assert torch.equal(out, fused.lora_add(y, x, a, bs))  # a fixed summation order
 
 
+def test_lora_add_block_diagonal_segments():
+    """A fused group's block-diagonal bs (q rank 8, k none, v rank 24): with the member segments the kernel reads
+    only each member's rows and gives the same result as over the whole bs (the zero blocks add exact zeros)."""
+    m, k, sizes, ranks = 8, 3584, (3584, 512, 512), (8, 0, 24)
+    x, a = _rand(m, k), _rand(sum(ranks), k, scale=0.05)
+    y = _rand(m, sum(sizes))
+    bs = torch.zeros(sum(ranks), sum(sizes), dtype=torch.bfloat16, device="cuda")
+    segs, row, col = [], 0, 0
+    for size, r in zip(sizes, ranks):
+        bs[row: row + r, col: col + size] = _rand(r, size, scale=0.05)
+        col += size
+        segs += [col, row, row + r]
+        row += r
+    whole, seg = fused.lora_add(y, x, a, bs), fused.lora_add(y, x, a, bs, tuple(segs))
+    assert whole is not None and seg is not None and torch.equal(whole, seg)
+    assert torch.equal(seg[:, sizes[0]: sizes[0] + sizes[1]], y[:, sizes[0]: sizes[0] + sizes[1]])  # k: no term
+    for bad in ((sum(sizes) - 1, 0, 8), (100, 0, 8, 50, 0, 8, sum(sizes), 8, 32), (sum(sizes), 0, 33)):
+        assert fused.lora_add(y, x, a, bs, bad) is None  # odd, decreasing or past R: declined
+
+
 def test_lora_add_declines_what_it_does_not_take():
     """More than 16 rows, K not a multiple of 8, or a non-bf16 factor: None, nothing computed (the engine then
     uses its matmuls); disagreeing shapes: an error."""

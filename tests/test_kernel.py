@@ -272,6 +272,36 @@ def test_gpu_path_choice():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(3584, 18944), (7168, 5120), (5000, 64)])
+def test_gpu_v2_fixups_bit_identical(n, k):
+    """The v2 kernels' two stream-K fixups (batched: 4 elements x 8 slots in flight; serial: one element, four
+    slots) add the same partials in the same order: bit-identical outputs, at every M, both warp counts."""
+    _need_kernel()
+    ext = kernel._load()
+    before = kernel.variant()
+    qw, gs = make_packed(n, k, device="cuda", seed=n + 3 * k)
+    try:
+        for v in ("v2", "v2w8"):
+            kernel.set_variant(v)
+            for m in (1, 2, 3, 8, 9, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                outs = []
+                for mode in (1, 2, 0):
+                    ext.set_fixup(mode)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    kernel.linear(x, qw, gs, n, k, out=out)
+                    outs.append(out)
+                torch.cuda.synchronize()
+                assert not torch.isnan(outs[0]).any() and rel_err(outs[0], ref_fp32(x, qw, gs, n, k)) <= 1e-2
+                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (v, m)
+        with pytest.raises(RuntimeError, match="fixup must be"):
+            ext.set_fixup(3)
+    finally:
+        ext.set_fixup(0)
+        kernel.set_variant(before)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(37888, 3584), (3584, 18944), (4608, 3584), (16, 64), (64, 4096), (5000, 64)])
 def test_gpu_v2_matches_default(n, k):
     """v2 and the default kernel: same A fragments, only the fp32 summation order differs."""

@@ -226,8 +226,9 @@ _NO_LORA = object()  # a linear or fused group without LoRA terms (in a LoRA sna
 
 def _lora_terms(modules: list, names: list[str], sizes: list[int], lora: "LoRA | None"):
     """The LoRA terms of sibling linears on one input (a fused group's members, or one linear) as one pair
-    for no-grad calls: ``(A [sum r, in], Bs [sum r, sum out])`` with the members' A stacked and their B, times
-    the scaling, block-diagonal and transposed, so ``y + (x @ A^T) @ Bs`` is the whole LoRA term — two matmuls
+    for no-grad calls: ``(A [sum r, in], Bs [sum r, sum out], segs)`` with the members' A stacked and their B, times
+    the scaling, block-diagonal and transposed, so ``y + (x @ A^T) @ Bs`` is the whole LoRA term (``segs``: each
+    member's last column and rank rows, flat, for ``fused.lora_add``) — two matmuls
     (the second with the add in its epilogue) instead of four ops per member plus a concatenation.
     ``_NO_LORA`` when no member has a term; None when they cannot be batched (several adapters on one member,
     active dropout, differing scalings or dtypes): then each member's term is computed as in training."""
@@ -258,27 +259,30 @@ def _lora_terms(modules: list, names: list[str], sizes: list[int], lora: "LoRA |
     a = torch.cat([t[0] for t in present])
     bs = torch.zeros(a.shape[0], sum(sizes), dtype=present[0][1].dtype, device=a.device)
     row = col = 0
+    segs: list[int] = []  # (col_end, row_begin, row_end) per member: the nonzero block of its columns
     for t, size in zip(terms, sizes):
+        r = t[0].shape[0] if t is not None else 0
         if t is not None:
-            bs[row: row + t[0].shape[0], col: col + size] = t[1].t() * t[2]
-            row += t[0].shape[0]
+            bs[row: row + r, col: col + size] = t[1].t() * t[2]
         col += size
-    return a, bs
+        segs += [col, row, row + r]
+        row += r
+    return a, bs, tuple(segs)
 
 
-def _lora_add(y: torch.Tensor, x: torch.Tensor, terms: tuple[torch.Tensor, torch.Tensor],
+def _lora_add(y: torch.Tensor, x: torch.Tensor, terms: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]],
               kernels: bool = False) -> torch.Tensor:
     """``y`` plus the batched LoRA term of ``x`` (see ``_lora_terms``); the add rides in the second matmul's
     epilogue where the dtypes agree (peft's fp32 factors on bf16 activations without autocast: added after).
     ``kernels``: no-grad bf16 CUDA calls of at most ``fused.LORA_MAX_ROWS`` rows (decode steps) run the two
     fused kernels of ``fused.lora_add`` instead of the matmuls."""
-    a, bs = terms
+    a, bs, segs = terms
     auto = torch.is_autocast_enabled(x.device.type)
     y2 = y.reshape(-1, y.shape[-1])
     if (kernels and not auto and y.is_cuda and y2.shape[0] <= _fk.LORA_MAX_ROWS and not torch.is_grad_enabled()
             and x.dtype == y.dtype == a.dtype == bs.dtype == torch.bfloat16):
         # decode steps: the two small fused kernels (no split-K reduce kernels, launches overlapped)
-        out = _fk.lora_add(y2.contiguous(), x.reshape(-1, x.shape[-1]).contiguous(), a, bs)
+        out = _fk.lora_add(y2.contiguous(), x.reshape(-1, x.shape[-1]).contiguous(), a, bs, segs)
         if out is not None:
             return out.view(y.shape)
     h = (x if auto else x.to(a.dtype)).reshape(-1, x.shape[-1]) @ a.t()

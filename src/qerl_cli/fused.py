@@ -108,12 +108,15 @@ def rope_kv(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Ten
     return q
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: torch.Tensor) -> torch.Tensor | None:
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: torch.Tensor,
+             segs: tuple[int, ...] = ()) -> torch.Tensor | None:
     """``y + bf16(x @ a^T) @ bs`` for bf16 ``x [M, K]``, ``a [R, K]``, ``y [M, N]``, ``bs [R, N]`` (contiguous,
-    ``M <= LORA_MAX_ROWS``), fp32 accumulation; None (nothing computed) where the kernels do not take the shapes."""
+    ``M <= LORA_MAX_ROWS``), fp32 accumulation; None (nothing computed) where the kernels do not take the shapes.
+    ``segs``: flat ``(col_end, row_begin, row_end)`` triples for a block-diagonal ``bs`` (a fused group's members):
+    the columns up to ``col_end`` read only rows ``[row_begin, row_end)`` (the others must be zero there)."""
     if not (x.dim() == a.dim() == y.dim() == bs.dim() == 2 and a.shape[1] == x.shape[1] and y.shape[0] == x.shape[0]
             and bs.shape == (a.shape[0], y.shape[1])):
         raise ValueError(f"lora_add: shapes disagree: x {tuple(x.shape)}, a {tuple(a.shape)}, y {tuple(y.shape)}, "
                          f"bs {tuple(bs.shape)}")
     out = torch.empty_like(y)
-    return out if _load().lora_add(x, a, y, bs, out) else None
+    return out if _load().lora_add(x, a, y, bs, out, list(segs)) else None
