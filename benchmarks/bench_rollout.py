@@ -81,7 +81,7 @@ def random_lora(model, rank: int) -> LoRA:
     return LoRA(factors, scaling=2.0)
 
 
-def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=False,
+def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     if lora_rank:  # an adapter on every projection, as in training rollouts
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the 7B-shape NVFP4 decode step at batch 8")
     ap.add_argument("--lora-only", action="store_true",
                     help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
-                         "projection (NVFP4 also with the per-member LoRA terms)")
+                         "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -292,7 +292,7 @@ def lora_part(result, rows, save) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     for name, kw in (("ours-nvfp4", {}), ("ours-nvfp4 +lora32", {"lora_rank": 32}),
-                     ("ours-nvfp4 +lora32 fused LoRA kernels", {"lora_rank": 32, "lora_kernels": True}),
+                     ("ours-nvfp4 +lora32 cuBLAS terms", {"lora_rank": 32, "lora_kernels": False}),
                      ("ours-nvfp4 +lora32 per-member", {"lora_rank": 32, "batch_lora": False})):
         rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8, **time_engine(big, 8, 256, 512, 152064, **kw)})
         save()

@@ -27,8 +27,10 @@
 #   13                             session 8: build, the extensions' bad-argument test, the fused kernels' GPU tests
 #                                  and the v2 fixup equality test, LoRA terms per fused group (probe_small --lora),
 #                                  A/B of the v2 fixups (batched against serial) at M = 1-16
-#   14                             session 8 (after 13, warm): kernel and engine GPU tests (TESTS), then the
-#                                  7B-shape LoRA rollout bench
+#   14 [AB=dir]                    session 8 (after 13, warm): A/B of this tree's kernel against AB's (default
+#                                  abtmp/), the kernel and engine GPU tests (TESTS)
+#   15                             session 8: build, the extensions' GPU tests (TESTS), LoRA terms per fused
+#                                  group, the 7B-shape LoRA rollout bench
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -130,13 +132,33 @@ case "${1:?part 1, 2, 3, 4, 5, 6, 7, 8 or 9}" in
   stamp 13 "fixup A/B done"
   ;;
 14)
-  build; stamp 14 "kernels built"
-  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_kernel.py tests/test_engine_gpu.py} \
-    2>&1 | tail -12 | tee "$OUT/gpu_tests2.log"
+  python3 -c "from torch.utils.cpp_extension import load; load(name='qerl_nvfp4_ab', sources=['${AB:-abtmp}/nvfp4_kernel.cu'],
+extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=sm_90a'])" > "$OUT/ab_build.log" 2>&1 &
+  build; wait; stamp 14 "kernels built (both A/B sides)"
+  timeout 120 python3 benchmarks/probe_check_crash.py 2>&1 | tee "$OUT/bisect.log"
+  timeout 120 ncu --clock-control none --kernel-name regex:"lora|gemv|gemm|splitK|cutlass|xmma" --launch-count 12 \
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+    python3 benchmarks/probe_small.py --m 8 --lora 32 > "$OUT/ncu_lora.txt" 2>&1; echo "ncu rc $?"
+  grep -E "lora|gemv|gemm|splitK|cutlass|Duration|Elapsed Cycles|Registers|Block Size|Grid Size" "$OUT/ncu_lora.txt" | head -120
+  stamp 14 "bisect and ncu done"
+  timeout 240 python3 benchmarks/ab_kernel.py --other ${AB:-abtmp} --ms ${MS:-1,8,16,32} --json "$OUT/ab_kernel.json" \
+    2>&1 | grep -v Warning | tee "$OUT/ab_kernel.log"
+  stamp 14 "A/B done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    ${TESTS:-tests/test_kernel.py tests/test_engine_gpu.py} 2>&1 | tail -12 | tee "$OUT/gpu_tests2.log"
   stamp 14 "GPU tests done"
+  ;;
+15)
+  build; stamp 15 "kernels built"
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_extension_errors_gpu.py \
+    tests/test_fused_gpu.py tests/test_engine_gpu.py} 2>&1 | tail -12 | tee "$OUT/gpu_tests3.log"
+  stamp 15 "GPU tests done"
+  timeout 90 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/lora_terms_m8.log"
+  stamp 15 "LoRA terms probed"
   timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 \
     --json "$OUT/rollout_7b_lora.json" 2>&1 | grep -v '^{' | tee "$OUT/bench_rollout_7b_lora.log"
-  stamp 14 "7B LoRA rollout bench done"
+  stamp 15 "7B LoRA rollout bench done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "check.cuh"
 #include "pdl.cuh"
 
 #ifndef QERL_NO_TORCH
@@ -133,8 +134,9 @@ constexpr int kShrinkRowsPerWarp = 2;
 constexpr int kShrinkRows = kShrinkWarps * kShrinkRowsPerWarp;  // rows of a per block
 constexpr int kShrinkStep = 256;                                // inputs per step: 8 per lane
 constexpr int kShrinkMaxTiles = 256;                            // row tiles (R <= 4096): one ticket each
-constexpr int kExpandThreads = 64;                              // 2 output columns each: more blocks
-constexpr int kExpandBatch = 32;                                // rows of bs whose loads are in flight together
+constexpr int kExpandThreads = 128;                             // 32 output column pairs per block
+constexpr int kExpandQ = 4;                                     // threads per column pair (rows split four ways)
+constexpr int kExpandBatch = 8;                                 // rows per thread whose loads are in flight together
 constexpr int kLoraMaxSegs = 8;
 
 // column ranges of bs with their nonzero rows: columns [col_end[i-1], col_end[i]) use rows [row_begin[i],
@@ -239,7 +241,10 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) lora_shrink_kernel(const bf
   if (tid == 0) counters[tile] = 0;  // ready for the next launch on this stream
 }
 
-// thread: output columns n, n + 1 (one member's: segment boundaries are even) of every row
+// four threads per output column pair n, n + 1 (one member's: segment boundaries are even): thread q adds rows
+// rb + q, rb + q + 4, ... of the member, then the four sums meet in two shuffles (the same fixed order for all
+// four) and thread q writes the output rows m with m % 4 == q. h sits in shared memory transposed, [R][MT]
+// (zeros past M), so one 16-byte load serves four output rows.
 template <int MT>
 __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float* __restrict__ h,
                                                                      const bf16* __restrict__ y,
@@ -247,9 +252,10 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float
                                                                      bf16* __restrict__ out, int M, int N, int R,
                                                                      LoraSegs segs) {
   qerl_pdl::trigger();
-  extern __shared__ float hs[];  // h [M][R]
-  const int tid = threadIdx.x;
-  const int n = (blockIdx.x * kExpandThreads + tid) * 2;
+  extern __shared__ float4 hs4[];  // [R][MT / 4]
+  float* hs = reinterpret_cast<float*>(hs4);
+  const int tid = threadIdx.x, q = tid % kExpandQ;
+  const int n = (blockIdx.x * (kExpandThreads / kExpandQ) + tid / kExpandQ) * 2;
   int rb = 0, re = 0;
   bool found = n >= N;
 #pragma unroll
@@ -259,58 +265,75 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float
       re = segs.row_end[i];
       found = true;
     }
-  __nv_bfloat162 bv[kExpandBatch];  // the first batch of the factor's rows: a constant, loaded before the wait
+  rb += q;  // this thread's rows: rb, rb + 4, ... below re
+  __nv_bfloat162 bv[kExpandBatch];  // the first batch of them: a constant, loaded before the wait
 #pragma unroll
   for (int j = 0; j < kExpandBatch; ++j)
-    if (rb + j < re) bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(rb + j) * N + n);
+    if (rb + kExpandQ * j < re) bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(rb + kExpandQ * j) * N + n);
   qerl_pdl::wait();
-  const int mr = M * R;
-  for (int i0 = tid; i0 < mr; i0 += 16 * kExpandThreads) {  // sixteen loads in flight per thread
-    float v[16];
+  const int total = R * MT;
+  for (int i0 = tid; i0 < total; i0 += 8 * kExpandThreads) {  // h [M][R] -> hs [R][MT], eight loads in flight
+    float v[8];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int i = i0 + j * kExpandThreads;
-      v[j] = i < mr ? __ldcg(h + i) : 0.f;
+    for (int j = 0; j < 8; ++j) {
+      const int i = i0 + j * kExpandThreads, r = i / MT, m = i % MT;
+      v[j] = (i < total && m < M) ? __ldcg(h + (size_t)m * R + r) : 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      if (i0 + j * kExpandThreads < mr) hs[i0 + j * kExpandThreads] = v[j];
+    for (int j = 0; j < 8; ++j)
+      if (i0 + j * kExpandThreads < total) hs[i0 + j * kExpandThreads] = v[j];
   }
-  __nv_bfloat162 yv[MT];
+  __nv_bfloat162 yv[MT / kExpandQ];  // the output rows this thread writes: m = q + 4 w
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
-    if (m < M && n < N) yv[m] = *reinterpret_cast<const __nv_bfloat162*>(y + (size_t)m * N + n);
+  for (int w = 0; w < MT / kExpandQ; ++w) {
+    const int m = q + kExpandQ * w;
+    if (m < M && n < N) yv[w] = *reinterpret_cast<const __nv_bfloat162*>(y + (size_t)m * N + n);
+  }
   __syncthreads();
-  if (n >= N) return;
   float acc[MT][2];
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = 0.f;
-  for (int r0 = rb; r0 < re; r0 += kExpandBatch) {
+  for (int r0 = rb; r0 < re; r0 += kExpandQ * kExpandBatch) {
     if (r0 > rb) {
 #pragma unroll
       for (int j = 0; j < kExpandBatch; ++j)
-        if (r0 + j < re) bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(r0 + j) * N + n);
+        if (r0 + kExpandQ * j < re)
+          bv[j] = *reinterpret_cast<const __nv_bfloat162*>(bs + (size_t)(r0 + kExpandQ * j) * N + n);
     }
 #pragma unroll
     for (int j = 0; j < kExpandBatch; ++j) {
-      if (r0 + j < re) {
+      const int r = r0 + kExpandQ * j;
+      if (r < re) {
         const float b0 = __low2float(bv[j]), b1 = __high2float(bv[j]);
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          if (m < M) {
-            const float hv = hs[m * R + r0 + j];
-            acc[m][0] += hv * b0;
-            acc[m][1] += hv * b1;
-          }
+        for (int c = 0; c < MT / 4; ++c) {
+          const float4 hv = hs4[r * (MT / 4) + c];
+          acc[4 * c][0] += hv.x * b0;
+          acc[4 * c][1] += hv.x * b1;
+          acc[4 * c + 1][0] += hv.y * b0;
+          acc[4 * c + 1][1] += hv.y * b1;
+          acc[4 * c + 2][0] += hv.z * b0;
+          acc[4 * c + 2][1] += hv.z * b1;
+          acc[4 * c + 3][0] += hv.w * b0;
+          acc[4 * c + 3][1] += hv.w * b1;
         }
       }
     }
   }
 #pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    if (m >= M) break;
-    *reinterpret_cast<__nv_bfloat162*>(out + (size_t)m * N + n) =
-        __floats2bfloat162_rn(__low2float(yv[m]) + acc[m][0], __high2float(yv[m]) + acc[m][1]);
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      acc[m][c] += __shfl_xor_sync(0xffffffffu, acc[m][c], 1);
+      acc[m][c] += __shfl_xor_sync(0xffffffffu, acc[m][c], 2);
+    }
+  if (n >= N) return;
+#pragma unroll
+  for (int w = 0; w < MT / kExpandQ; ++w) {
+    const int m = q + kExpandQ * w;
+    if (m < M)
+      *reinterpret_cast<__nv_bfloat162*>(out + (size_t)m * N + n) =
+          __floats2bfloat162_rn(__low2float(yv[w]) + acc[m][0], __high2float(yv[w]) + acc[m][1]);
   }
 }
 
@@ -368,8 +391,8 @@ const bf16* cptr(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.d
 bf16* mptr(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
 
 void check_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16, "qerl_fused: ", name, " must be a CUDA bf16 tensor");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "qerl_fused: ", name, " must be 16-byte aligned");
+  QERL_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16, "qerl_fused: %s must be a CUDA bf16 tensor", name);
+  QERL_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "qerl_fused: %s must be 16-byte aligned", name);
 }
 
 int blocks_for(int64_t threads, int per_block) { return static_cast<int>((threads + per_block - 1) / per_block); }
@@ -386,8 +409,9 @@ void add_rmsnorm(const at::Tensor& h, const c10::optional<at::Tensor>& d, const 
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && x_out.sizes() == h.sizes() && x_out.is_contiguous(),
               "qerl_fused: add_rmsnorm needs contiguous [rows, width] h and x_out");
   const int64_t rows = h.size(0), width = h.size(1);
-  TORCH_CHECK(width % 8 == 0 && width <= 8 * kNormChunks * kNormThreads, "qerl_fused: width ", width,
-              " must be a multiple of 8 and at most ", 8 * kNormChunks * kNormThreads);
+  QERL_CHECK(width % 8 == 0 && width <= 8 * kNormChunks * kNormThreads,
+             "qerl_fused: width %lld must be a multiple of 8 and at most %d", (long long)width,
+             8 * kNormChunks * kNormThreads);
   TORCH_CHECK(w.is_contiguous() && w.size(-1) == width && rows_per_w > 0 &&
                   (w.dim() == 1 || (w.dim() == 2 && w.size(0) * rows_per_w == rows)),
               "qerl_fused: w must be [width] or [rows / rows_per_w, width]");
@@ -487,13 +511,13 @@ void launch_lora(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, 
   float* hp = pp + (size_t)S * M * R;
   C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<MT, U>, dim3(S, tiles), dim3(kShrinkWarps * 32), 0, stream, dev,
                                    cptr(x), cptr(a), pp, hp, lora_counters(x), M, K, R, S));
-  C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<MT>, dim3(blocks_for(N / 2, kExpandThreads)),
-                                   dim3(kExpandThreads), (size_t)M * R * sizeof(float), stream, dev,
+  C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<MT>, dim3(blocks_for(N / 2, kExpandThreads / kExpandQ)),
+                                   dim3(kExpandThreads), (size_t)R * MT * sizeof(float), stream, dev,
                                    static_cast<const float*>(hp), cptr(y), cptr(bs), mptr(out), M, N, R, segs));
 }
 
 // out [M, N] = y + bf16(x @ a^T) @ bs for M <= 16 decode rows (see lora_shrink_kernel): x [M, K], a [R, K],
-// y / out [M, N], bs [R, N], all contiguous bf16; K % 8 == 0, N % 2 == 0, M * R <= 4096, R <= 4096. segs: flat
+// y / out [M, N], bs [R, N], all contiguous bf16; K % 8 == 0, N % 2 == 0, R <= 1024 (M <= 8) or 512. segs: flat
 // (col_end, row_begin, row_end) triples, at most 8, col_end increasing, even and ending at N: columns up to
 // col_end read only rows [row_begin, row_end) of bs (its other rows there must be zero); empty: every row.
 // Returns false (nothing launched) when the tensors are outside what the kernels take: the caller then uses its
@@ -507,11 +531,10 @@ bool lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, con
       return false;
   }
   const int64_t M = x.size(0), K = x.size(1), R = a.size(0), N = y.size(1);
-  // (fused.lora_add raises on disagreeing shapes before calling; here they only decline: session 7's GPU run
-  // crashed the process when a TORCH_CHECK of this function threw, cause not established)
+  // (fused.lora_add raises on disagreeing shapes before calling; here they only decline)
   if (a.size(1) != K || y.size(0) != M || bs.size(0) != R || bs.size(1) != N || out.sizes() != y.sizes()) return false;
   if (M < 1 || M > kLoraMaxM || R < 1 || R > kShrinkRows * kShrinkMaxTiles || K % 8 != 0 || K >= (1 << 30) ||
-      N % 2 != 0 || N >= (1 << 30) || M * R > 4096)
+      N % 2 != 0 || N >= (1 << 30) || R * (M <= 8 ? 8 : 16) > 8192)  // (h transposed in 32 KB of shared memory)
     return false;
   LoraSegs sg{};
   if (segs.empty()) {

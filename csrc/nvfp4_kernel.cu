@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "nvfp4_decode.cuh"
+#include "check.cuh"
 #include "pdl.cuh"
 
 #ifndef QERL_NO_TORCH
@@ -292,19 +293,18 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     rec[r] = qw + (size_t)min(rb[r], NT - 1) * KT * kRecordBytes;
   }
 
-  // PDL prologue: warm L2 with this warp's first tiles while the kernel before us finishes
+  // PDL prologue, while the kernel before us finishes: warm L2 with this warp's first tiles and load tiles
+  // kt0 .. kt0 + D - 1 into registers (no kernel that triggers early writes a packed weight: pdl.cuh)
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (rb[r] < NT) prefetch_tiles(rec[r] + (size_t)kt0 * kRecordBytes, kt1 - kt0, lane);
-  qerl_pdl::wait();
-
-  // weight prefetch: tiles kt0 .. kt0 + D - 1
   WTile wr[D][R];
 #pragma unroll
   for (int d = 0; d < D; ++d)
 #pragma unroll
     for (int r = 0; r < R; ++r)
       if (kt0 + d < kt1) load_tile(wr[d][r], rec[r] + (size_t)(kt0 + d) * kRecordBytes, lane);
+  qerl_pdl::wait();
 
   const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
   // the zero row (index mslice) of both buffers; cp.async only ever writes rows < mslice
@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       if (rbr < NT) prefetch_tiles(qw + ((size_t)rbr * KT + kta) * kRecordBytes, ktb - kta, lane);
     }
   }
-  qerl_pdl::wait();
+  // (the wait comes after the first segment's register loads of the weight, in the loop below)
 
   const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
   if (mslice < MP) {
@@ -589,6 +589,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       for (int r = 0; r < R; ++r)
         if (kt0 + d < kt1) load_tile_at<d * kRecordBytes>(wr[d][r], pc[r], ps[r]);
     });
+    // PDL: the first segment's first tiles are loaded while the kernel before us finishes (no kernel that
+    // triggers early writes a packed weight: pdl.cuh); everything below reads activations or writes
+    if (first_seg) qerl_pdl::wait();
 
     auto stage = [&](int c) {
       const int kb = (kt0 + c * KCH) * 64;
@@ -960,12 +963,14 @@ static int* counters_for(const at::Tensor& like, int64_t needed) {
 
 static void check_packed(const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k) {
   TORCH_CHECK(qw.is_cuda() && gs.is_cuda(), "qerl: qweight and global_scale must be CUDA tensors");
-  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == kRecordBytes,
-              "qerl: qweight must be uint8 [N_pad/16, K_pad/64, 576], got ", qw.sizes());
+  QERL_CHECK(qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == kRecordBytes,
+             "qerl: qweight must be uint8 [N_pad/16, K_pad/64, 576], got %s", qerl_check::shape(qw.sizes()).c_str());
   TORCH_CHECK(qw.is_contiguous(), "qerl: qweight must be contiguous");
-  TORCH_CHECK(n > 0 && k > 0 && k % 16 == 0, "qerl: need n > 0 and k a positive multiple of 16, got ", n, ", ", k);
-  TORCH_CHECK(qw.size(0) == (n + 15) / 16 && qw.size(1) == (k + 63) / 64, "qerl: qweight of shape ", qw.sizes(),
-              " does not hold a [", n, ", ", k, "] matrix");
+  QERL_CHECK(n > 0 && k > 0 && k % 16 == 0, "qerl: need n > 0 and k a positive multiple of 16, got %lld, %lld",
+             (long long)n, (long long)k);
+  QERL_CHECK(qw.size(0) == (n + 15) / 16 && qw.size(1) == (k + 63) / 64,
+             "qerl: qweight of shape %s does not hold a [%lld, %lld] matrix", qerl_check::shape(qw.sizes()).c_str(),
+             (long long)n, (long long)k);
   TORCH_CHECK(gs.scalar_type() == at::kFloat && gs.numel() == 1, "qerl: global_scale must be fp32 [1]");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0, "qerl: qweight must be 16-byte aligned");
   TORCH_CHECK(qw.get_device() == gs.get_device(), "qerl: tensors on different devices");
@@ -994,7 +999,7 @@ void dequantize_out(const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64
                                                             (int)n, (int)k, NT, KT);
       break;
     default:
-      TORCH_CHECK(false, "qerl: dequantize supports bf16, fp16 and fp32 outputs, got ", out.scalar_type());
+      QERL_CHECK(false, "qerl: dequantize supports bf16, fp16 and fp32 outputs, got %s", c10::toString(out.scalar_type()));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -1095,7 +1100,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
                           const __nv_bfloat16* bias, at::Tensor& out, int M, int N, int K, int NT, int KT) {
   constexpr int ROWS_BLOCKS = NW * R;
   constexpr int MP = 8 * TG;
-  TORCH_CHECK(M <= MP, "qerl: v2 kernel instance for M <= ", MP, " called with M = ", M);
+  QERL_CHECK(M <= MP, "qerl: v2 kernel instance for M <= %d called with M = %d", MP, M);
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
   const int sms = num_sms(x.get_device());
   const int rows_alloc = std::min(MP, M + 1);
@@ -1137,7 +1142,8 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
                    at::Tensor& out, int64_t path, const c10::optional<at::Tensor>& bias) {
   check_packed(qw, gs, n, k);
   TORCH_CHECK(x.is_cuda() && x.get_device() == qw.get_device(), "qerl: x must be on the weight's device");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, ", k, "], got ", x.sizes());
+  QERL_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, %lld], got %s", (long long)k,
+             qerl_check::shape(x.sizes()).c_str());
   TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n &&
                   out.is_contiguous() && out.scalar_type() == x.scalar_type(),
               "qerl: out must be a contiguous [M, n] tensor of x's dtype");
@@ -1190,7 +1196,8 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 void linear_t_out(const at::Tensor& g, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
                   at::Tensor& out) {
   check_packed(qw, gs, n, k);
-  TORCH_CHECK(g.is_cuda() && g.dim() == 2 && g.size(1) == n, "qerl: g must be [M, ", n, "]");
+  QERL_CHECK(g.is_cuda() && g.dim() == 2 && g.size(1) == n, "qerl: g must be [M, %lld], got %s", (long long)n,
+             qerl_check::shape(g.sizes()).c_str());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == g.size(0) && out.size(1) == k && out.scalar_type() == g.scalar_type(),
               "qerl: out must be [M, k] of g's dtype");
   c10::cuda::CUDAGuard guard(qw.device());

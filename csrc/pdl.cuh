@@ -2,15 +2,16 @@
 //
 // A kernel launched through qerl_pdl::launch may start while the kernel before it on the stream is still
 // running, as soon as every block of that one has called trigger() (or exited). Its blocks then run their
-// prologue (index math, shared-memory setup, L2 prefetches of the packed weight) and must call wait() before
+// prologue (index math, shared-memory setup, L2 prefetches and first register loads of the packed weight, the
+// LoRA factors' loads) and must call wait() before
 // they read anything an earlier kernel wrote or write anything at all: wait() returns once every earlier grid
 // has completed and its memory is visible. Before wait() only work that is correct whatever the earlier
 // kernels do is allowed: a prefetch into L2 is a hint (L2 is the point of coherence, so a later write by the
 // earlier kernel is still what the real load after wait() sees), and a real load only of data that no kernel
 // calling trigger() writes. Such a kernel overlaps only kernels launched after its trigger(), and one that never
 // calls it (every torch kernel, every copy) completes before its successor starts, hence before anything later
-// starts: the LoRA factors (written by torch ops, loaded by the LoRA kernels before their wait) are safe; the
-// packed weight is only prefetched (the kernel cannot know what wrote it).
+// starts: the LoRA factors and the packed weights (written by torch ops and copies, never by a qerl kernel) are
+// safe to load before the wait.
 // Kernels launched without the attribute (or by torch) order as usual; on GPUs before sm_90 both calls compile
 // to nothing and launch() leaves the attribute off. QERL_PDL=0 turns the attribute off everywhere.
 #pragma once

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -558,3 +560,52 @@ def test_gpu_cuda_graph_and_repeat_determinism(m, small_m_variant):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, first)
+
+
+def _torch_check_args(src: str):
+    """The argument lists of every TORCH_CHECK( ... ) call in C++ source, split at top-level commas."""
+    at = 0
+    while (at := src.find("TORCH_CHECK(", at)) >= 0:
+        i, depth, args, cur, quote = at + len("TORCH_CHECK("), 1, [], "", False
+        while depth:
+            c = src[i]
+            if quote:
+                cur += c
+                if c == "\\":
+                    cur += src[i + 1]
+                    i += 1
+                elif c == '"':
+                    quote = False
+            elif c == '"':
+                quote, cur = True, cur + c
+            elif c in "([{":
+                depth, cur = depth + 1, cur + c
+            elif c in ")]}":
+                depth -= 1
+                cur += c if depth else ""
+            elif c == "," and depth == 1:
+                args.append(cur.strip())
+                cur = ""
+            else:
+                cur += c
+            i += 1
+        args.append(cur.strip())
+        yield src[:at].count("\n") + 1, args
+        at = i
+
+
+def test_extension_checks_never_stream_numbers_into_messages():
+    """Every TORCH_CHECK message in csrc/*.cu is string literals only: on the H200 a failing check whose message
+    streamed an integer killed the process (session 8); QERL_CHECK (csrc/check.cuh) formats with snprintf."""
+    import re
+
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    checked = 0
+    for path in sorted(csrc.glob("*.cu")):
+        for line, args in _torch_check_args(path.read_text()):
+            message = args[1:]
+            assert message, f"{path.name}:{line}: TORCH_CHECK without a message"
+            assert all(re.fullmatch(r'("([^"\\]|\\.)*"\s*)+', a) for a in message), (
+                f"{path.name}:{line}: TORCH_CHECK message is not string literals only (use QERL_CHECK): {message}")
+            checked += 1
+    assert checked >= 20

@@ -280,7 +280,7 @@ def _lora_add(y: torch.Tensor, x: torch.Tensor, terms: tuple[torch.Tensor, torch
     auto = torch.is_autocast_enabled(x.device.type)
     y2 = y.reshape(-1, y.shape[-1])
     if (kernels and not auto and y.is_cuda and y2.shape[0] <= _fk.LORA_MAX_ROWS and not torch.is_grad_enabled()
-            and x.dtype == y.dtype == a.dtype == bs.dtype == torch.bfloat16):
+            and y2.shape[1] <= _fk.LORA_KERNEL_MAX_N and x.dtype == y.dtype == a.dtype == bs.dtype == torch.bfloat16):
         # decode steps: the two small fused kernels (no split-K reduce kernels, launches overlapped)
         out = _fk.lora_add(y2.contiguous(), x.reshape(-1, x.shape[-1]).contiguous(), a, bs, segs)
         if out is not None:
@@ -433,11 +433,11 @@ class Engine:
         # dropped when it ends, so it never outlives the adapter weights it copied); False (or
         # QERL_ENGINE_BATCH_LORA=0): the terms as in training
         self.batch_lora = os.environ.get("QERL_ENGINE_BATCH_LORA", "1") != "0"
-        # opt-in (QERL_ENGINE_LORA_KERNELS=1): with the fused kernels on, the batched terms of decode steps
-        # (<= fused.LORA_MAX_ROWS rows, bf16 factors) run as two small fused kernels (fused.lora_add) instead of
-        # cuBLAS matmuls. Off by default: measured slower on the H200 in session 7 (7B shapes, rank 32, batch 8:
-        # 1,152 tok/s against 1,677 with the matmuls; README "Rollout throughput")
-        self.lora_kernels = os.environ.get("QERL_ENGINE_LORA_KERNELS", "0") == "1"
+        # with the fused kernels on, the batched terms of decode steps (<= fused.LORA_MAX_ROWS rows, bf16 factors,
+        # outputs up to fused.LORA_KERNEL_MAX_N wide) run as two small fused kernels (fused.lora_add) instead of
+        # two cuBLAS matmuls (session 8, H200, 7B shapes at batch 8: 1,702 against 1,647 tokens/s);
+        # QERL_ENGINE_LORA_KERNELS=0 keeps the matmuls
+        self.lora_kernels = os.environ.get("QERL_ENGINE_LORA_KERNELS", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
 
     # ---------------------------------------------------------------- adapters and noise

@@ -9,7 +9,7 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
   applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
 * ``lora_add(y, x, a, bs)`` -> ``y + bf16(x @ a^T) @ bs`` (a batched LoRA term) for decode steps of at most 16
   rows, in two small kernels instead of two cuBLAS matmuls (None where the shapes need the matmuls); the engine
-  uses it only when asked (``QERL_ENGINE_LORA_KERNELS=1``): measured slower than the matmuls in session 7.
+  uses it for outputs up to ``LORA_KERNEL_MAX_N`` wide (``QERL_ENGINE_LORA_KERNELS=0``: never).
 
 Each rounds where the torch chain it replaces rounds (``silu_mul`` and ``rope_kv`` bit-exact; ``add_norm``
 sums the squares in another order, at most one bf16 unit apart; ``lora_add`` accumulates in fp32 in its own fixed
@@ -32,6 +32,10 @@ __all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "lora_
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
 LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
+# the engine's widest LoRA output for lora_add: wider ones (gate/up of a 7B, 37888) measured slower in the
+# kernels than in cuBLAS (session 8, H200, benchmarks/results/lora_terms_m8_s8b_h200.json: +17.4 against
+# +16.0 us at M = 8, rank 32; q/k/v, o and down faster: +11.0 / +7.8 / +8.6 against +12.0 / +10.3 / +13.4)
+LORA_KERNEL_MAX_N = 16384
 
 _lock = threading.Lock()
 _ext = None
