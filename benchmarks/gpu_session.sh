@@ -27,8 +27,9 @@
 #   13                             session 8: build, the extensions' bad-argument test, the fused kernels' GPU tests
 #                                  and the v2 fixup equality test, LoRA terms per fused group (probe_small --lora),
 #                                  A/B of the v2 fixups (batched against serial) at M = 1-16
-#   14 [AB=dir]                    session 8 (after 13, warm): A/B of this tree's kernel against AB's (default
-#                                  abtmp/), the kernel and engine GPU tests (TESTS)
+#   14 [AB=dir]                    session 8: build (and AB's kernel, default abtmp/, beside it), the check-crash
+#                                  bisect (probe_check_crash.py), Nsight Compute on the LoRA terms, A/B of this
+#                                  tree's kernel against AB's, the kernel and engine GPU tests (TESTS)
 #   15                             session 8: build, the extensions' GPU tests (TESTS), LoRA terms per fused
 #                                  group, the 7B-shape LoRA rollout bench
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
