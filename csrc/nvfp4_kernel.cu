@@ -872,9 +872,9 @@ static int g_fixup = [] {
   return (e && (e[0] == '1' || e[0] == '2')) ? e[0] - '0' : 0;
 }();
 // Auto: serial while every thread has at most one element to sum (M <= 2: M * 16 * NW elements, 32 * NW threads),
-// where the session-6 serial fixup measured faster than the batched one (session 7 A/B, M = 1: 7B down 17.6
-// against 19.5 us, 32B o 10.2 against 11.5); batched from there on (M = 8: 7B down 20.5 against 21.8, M = 16: 7B
-// gate_up 34.8 against 38.3).
+// where it measured 1-8 % faster (session 8 A/B in one build, benchmarks/results/ab_fixup_s8_h200.json: M = 1, 7B
+// down 18.3 against 19.6 us); batched from M = 8 on, 2-8 % faster (M = 8: 7B down 20.8 against 22.6, 32B q/k/v
+// 13.1 against 14.3; M = 16: 7B gate_up 33.8 against 35.6); M = 4 was a wash.
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster

@@ -274,8 +274,8 @@ def _lora_add(y: torch.Tensor, x: torch.Tensor, terms: tuple[torch.Tensor, torch
               kernels: bool = False) -> torch.Tensor:
     """``y`` plus the batched LoRA term of ``x`` (see ``_lora_terms``); the add rides in the second matmul's
     epilogue where the dtypes agree (peft's fp32 factors on bf16 activations without autocast: added after).
-    ``kernels``: no-grad bf16 CUDA calls of at most ``fused.LORA_MAX_ROWS`` rows (decode steps) run the two
-    fused kernels of ``fused.lora_add`` instead of the matmuls."""
+    ``kernels``: no-grad bf16 CUDA calls of at most ``fused.LORA_MAX_ROWS`` rows (decode steps) and outputs at
+    most ``fused.LORA_KERNEL_MAX_N`` wide run the two fused kernels of ``fused.lora_add`` instead of the matmuls."""
     a, bs, segs = terms
     auto = torch.is_autocast_enabled(x.device.type)
     y2 = y.reshape(-1, y.shape[-1])
@@ -435,7 +435,7 @@ class Engine:
         self.batch_lora = os.environ.get("QERL_ENGINE_BATCH_LORA", "1") != "0"
         # with the fused kernels on, the batched terms of decode steps (<= fused.LORA_MAX_ROWS rows, bf16 factors,
         # outputs up to fused.LORA_KERNEL_MAX_N wide) run as two small fused kernels (fused.lora_add) instead of
-        # two cuBLAS matmuls (session 8, H200, 7B shapes at batch 8: 1,702 against 1,647 tokens/s);
+        # two cuBLAS matmuls (session 8, H200, 7B shapes at batch 8, rank 32: 1,729 against 1,624 tokens/s);
         # QERL_ENGINE_LORA_KERNELS=0 keeps the matmuls
         self.lora_kernels = os.environ.get("QERL_ENGINE_LORA_KERNELS", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
