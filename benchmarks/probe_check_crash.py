@@ -8,7 +8,14 @@ messages with snprintf; tests/test_extension_errors_gpu.py covers every check in
 
     PYTHONPATH=src python benchmarks/probe_check_crash.py
 """
-import os, subprocess, sys
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 CASES = {
     "set_variant": "ext.set_variant(9)",
     "dequantize_out_literal": "ext.dequantize_out(qw, gs, n, k, torch.empty(n, k + 16, **bf))",
@@ -19,6 +26,7 @@ CASES = {
     "fused_add_rmsnorm": "fx.add_rmsnorm(x.float(), None, torch.ones(k, **bf), 1, x.float(), x.float(), 1e-5)",
     "fused_silu_literal": "fx.silu_mul(x, x[:2], torch.empty_like(x))",
 }
+
 PRE = """
 import torch
 from qerl_cli import fused, kernel
@@ -34,8 +42,23 @@ try:
 except RuntimeError as e:
     print("raised:", str(e).splitlines()[0][:100])
 """
-for env_extra in ({}, {"TORCH_SHOW_CPP_STACKTRACES": "1"}, {"TORCH_DISABLE_ADDR2LINE": "1"}):
-    for name, call in CASES.items():
-        r = subprocess.run([sys.executable, "-c", PRE % call], capture_output=True, text=True,
-                           env=dict(os.environ, **env_extra))
-        print(env_extra, name, "rc", r.returncode, r.stdout.strip()[-120:], flush=True)
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("probe_check_crash: needs a CUDA device and the two extensions", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    for env_extra in ({}, {"TORCH_SHOW_CPP_STACKTRACES": "1"}, {"TORCH_DISABLE_ADDR2LINE": "1"}):
+        for name, call in CASES.items():
+            r = subprocess.run([sys.executable, "-c", PRE % call], capture_output=True, text=True,
+                               env=dict(env, **env_extra))
+            print(env_extra, name, "rc", r.returncode, r.stdout.strip()[-120:], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

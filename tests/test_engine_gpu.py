@@ -100,9 +100,9 @@ def test_compiled_elementwise_decode(gpu_model):
 
 @pytest.mark.parametrize("lora_kernels", [False, True])
 def test_batched_group_lora_on_cuda(gpu_model, lora_kernels):
-    """A rank-8 adapter on every projection: the batched group terms (no-grad calls; in cuBLAS matmuls or, opt-in,
-    the fused LoRA kernels) against the per-member ones, CUDA graph and fused kernels on: greedy tokens agree,
-    teacher-forced log-probs within bf16 rounding."""
+    """A rank-8 adapter on every projection: the batched group terms (no-grad calls; in cuBLAS matmuls, or in the
+    fused LoRA kernels as by default) against the per-member ones, CUDA graph and fused kernels on: greedy tokens
+    agree, teacher-forced log-probs within bf16 rounding."""
     from qerl_cli.engine import LoRA
 
     g = torch.Generator(device="cuda").manual_seed(0)

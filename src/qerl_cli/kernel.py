@@ -23,8 +23,8 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
   ("cuda-dequant-cublas"); ``linear_t`` always takes this path. (``choose_path`` in the CUDA source.)
 * an optional frozen ``bias`` is added in the kernel's epilogue, after the product's bf16 rounding;
 * the small-M kernels (and the engine's fused kernels, ``csrc/fused_ops.cu``) launch with programmatic
-  dependent launch on sm_90 (``csrc/pdl.cuh``): a launch overlaps the end of the kernel before it and warms L2
-  with its first weight tiles; ``set_pdl(False)`` or ``QERL_PDL=0`` turns it off (results are identical);
+  dependent launch on sm_90 (``csrc/pdl.cuh``): a launch overlaps the end of the kernel before it, warms L2
+  with its first weight tiles and loads the very first ones into registers; ``set_pdl(False)`` or ``QERL_PDL=0`` turns it off (results are identical);
 * up to M = 32 (``QERL_CLUSTER_MAX_M``) the small-M mma kernel's K splits (at most 8) may form one thread-block
   cluster per row group on sm_90 and add their partials through distributed shared memory (``set_cluster``,
   ``QERL_CLUSTER=0`` for the workspace path); above M = 16 not for wide weights (N > K) of >= 1e8 entries.
