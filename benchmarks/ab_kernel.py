@@ -6,6 +6,10 @@ so that clock drift and the machine affect both alike.
 
 With ``--fixups`` instead of ``--other``, A is this build with the batched stream-K fixup of the v2 kernels and B
 the same build with the serial one (``set_fixup(1)`` against ``set_fixup(2)``), on the shapes that run v2.
+
+With ``--variants v2w8,v3,...`` instead, every named small-M variant of this build (and ``auto``) is forced in
+turn, interleaved round by round, beside cuBLAS with bf16 weights (``torch.matmul``, rotated copies as well); the
+first variant is the reference of the bit-identity column (``same``: equal bits, else the relative difference).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--other", help="directory holding the other nvfp4_kernel.cu (+ its headers)")
     ap.add_argument("--fixups", action="store_true", help="batched against serial v2 fixup in this build")
+    ap.add_argument("--variants", default=None, help="comma-separated small-M variants of this build to compare")
     ap.add_argument("--ms", default="1,8,16,32")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rounds", type=int, default=3)
@@ -37,8 +42,10 @@ def main() -> int:
     if not (torch.cuda.is_available() and kernel.available()):
         print(f"ab_kernel: needs CUDA and the extension ({kernel.build_error()})", file=sys.stderr)
         return 2
-    if bool(args.other) == args.fixups:
-        ap.error("give one of --other DIR and --fixups")
+    if (bool(args.other) + args.fixups + bool(args.variants)) != 1:
+        ap.error("give one of --other DIR, --fixups and --variants LIST")
+    if args.variants:
+        return compare_variants(args)
     new = kernel._load()
     if args.fixups:
         other, fixup = new, {"new": 1, "old": 2}
@@ -94,6 +101,67 @@ def main() -> int:
     if args.json:
         labels = {"new": "batched fixup", "old": "serial fixup"} if fixup else {"new": "this tree", "old": args.other}
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "labels": labels,
+                                               "rows": rows}, indent=1))
+    return 0
+
+
+def compare_variants(args) -> int:
+    """Forced small-M variants of this build side by side with cuBLAS bf16 (see the module docstring)."""
+    ext = kernel._load()
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in names if v not in kernel.VARIANTS]
+    if bad:
+        print(f"ab_kernel: unknown variant(s) {bad}; known: {sorted(kernel.VARIANTS)}", file=sys.stderr)
+        return 2
+    if "auto" not in names:
+        names.append("auto")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for model in args.models.split(","):
+        for layer, n, k in shapes(model):
+            np_, kp = layout.padded_shape(n, k)
+            cq = max(2, math.ceil(4 * L2_BYTES / (np_ * kp * 9 // 16)))
+            cb = max(2, math.ceil(4 * L2_BYTES / (n * k * 2)))
+            qws = [random_packed(n, k, gen) for _ in range(cq)]
+            wbf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(cb)]
+            gs = torch.tensor([2000.0], device="cuda")
+            for m in (int(v) for v in args.ms.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                out = {v: torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for v in names}
+                for v in names:
+                    ext.set_variant(kernel.VARIANTS[v])
+                    ext.linear_out(x, qws[0], gs, n, k, out[v], -1)
+                torch.cuda.synchronize()
+                ref = out[names[0]].float()
+                same = {v: bool(torch.equal(out[v], out[names[0]])) for v in names}
+                diff = {v: float((out[v].float() - ref).norm() / ref.norm()) for v in names}
+                nan = {v: bool(torch.isnan(out[v]).any()) for v in names}
+                times = {v: [] for v in names + ["cublas"]}
+                calls = cq * math.ceil(24 / cq)
+                yb = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                for _ in range(args.rounds):
+                    for v in names:
+                        ext.set_variant(kernel.VARIANTS[v])
+                        times[v].append(1e6 * time_graph(
+                            lambda i, v=v: ext.linear_out(x, qws[i], gs, n, k, out[v], -1), cq, calls))
+                    times["cublas"].append(1e6 * time_graph(
+                        lambda i: torch.matmul(x, wbf[i].t(), out=yb), cb, cb * math.ceil(24 / cb)))
+                med = {v: statistics.median(ts) for v, ts in times.items()}
+                weight_bytes = np_ * kp * 9 // 16
+                row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "us": med, "all": times,
+                       "same_bits_as_first": same, "rel_diff": diff, "nan": nan, "weight_bytes": weight_bytes}
+                rows.append(row)
+                cells = "  ".join(f"{v} {med[v]:6.1f}{'' if same[v] else '*'}" for v in names)
+                best = min(names, key=lambda v: med[v])
+                print(f"{model:12s} {layer:8s} m={m:3d}  {cells}  cuBLAS {med['cublas']:6.1f}  best {best} "
+                      f"x{med['cublas'] / med[best]:4.2f} ({weight_bytes / med[best] / 1e3:5.0f} GB/s)"
+                      f"{'  NaN!' if any(nan.values()) else ''}", flush=True)
+            del qws, wbf
+            torch.cuda.empty_cache()
+    ext.set_variant(3)
+    print("(* = not bit-identical to the first variant; relative differences in the JSON)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "variants": names,
                                                "rows": rows}, indent=1))
     return 0
 
