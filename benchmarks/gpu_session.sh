@@ -32,9 +32,9 @@
 #                                  tree's kernel against AB's, the kernel and engine GPU tests (TESTS)
 #   15                             session 8: build, the extensions' GPU tests (TESTS), LoRA terms per fused
 #                                  group, the 7B-shape LoRA rollout bench
-#   16                             session 9: build, the v3 (bulk-copy ring) GPU tests, every small-M variant side by
-#                                  side with cuBLAS (ab_kernel.py --variants) at MS (default 1,8,16), then TESTS
-#                                  (default: the kernel's GPU tests)
+#   16                             session 9: build, the small-M variants VARIANTS side by side with cuBLAS and auto
+#                                  (ab_kernel.py --variants) at MS (default 1,8,16), then TESTS (default: the
+#                                  kernel's GPU tests)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -167,10 +167,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
 16)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 16 "kernels built"
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf -x \
-    "tests/test_kernel.py::test_gpu_v3_bulk_ring_matches_v2" 2>&1 | tail -12 | tee "$OUT/gpu_tests_v3.log"
-  stamp 16 "v3 equality tests done"
-  timeout 300 python3 benchmarks/ab_kernel.py --variants ${VARIANTS:-v2w8,v3,v3s2,v3w4,v2,default} --ms ${MS:-1,8,16} \
+  timeout 300 python3 benchmarks/ab_kernel.py --variants ${VARIANTS:-v2w8,v2,default,alt} --ms ${MS:-1,8,16} \
     --json "$OUT/ab_variants.json" 2>&1 | grep -v Warning | tee "$OUT/ab_variants.log"
   stamp 16 "variants compared"
   timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf \

@@ -117,53 +117,6 @@ __device__ __forceinline__ void cp_async16(uint32_t saddr, const void* g, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g), "r"(n));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-// sm_90 bulk copies (the TMA unit without a tensor map) of whole tile records into shared memory, each slot's
-// arrival counted on its own mbarrier (the v3 kernels' per-warp ring). sm_80 / sm_89 builds never launch them.
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-#endif
-}
-// makes initialized mbarriers visible to the async proxy (the bulk copies' completion)
-__device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-// the calling thread's arrival on mbarrier bar, which then also waits for `bytes` of bulk copies to land
-__device__ __forceinline__ void qerl_expect_tx(uint32_t bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst, counted on bar
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#else
-  __trap();
-#endif
-}
-// returns once phase `parity` of the mbarrier has completed (its bulk copy has landed)
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-#endif
-}
-// a lane's share of a tile record held in shared memory at rec (the same registers load_tile gives)
-__device__ __forceinline__ void load_tile_shared(WTile& w, uint32_t rec, int lane) {
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(w.c.x), "=r"(w.c.y), "=r"(w.c.z), "=r"(w.c.w)
-               : "r"(rec + 16 * lane) : "memory");
-  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w.s.x), "=r"(w.s.y) : "r"(rec + kCodeBytes + 8 * (lane >> 2))
-               : "memory");
-}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
@@ -566,7 +519,7 @@ __device__ __forceinline__ int64_t sk_begin(int64_t b, int64_t W, int64_t P) { r
 // the CTA whose range holds unit u
 __device__ __forceinline__ int sk_owner(int64_t u, int64_t W, int64_t P) { return (int)(((u + 1) * P - 1) / W); }
 
-template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, int DEPTH, int STG>
+template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
@@ -575,12 +528,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
   constexpr int MP = 8 * TG;           // token rows staged (M <= MP: one slice)
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements)
   constexpr int ROWS = NW * R * 16;
-  static_assert(DEPTH == 0 || (R == 1 && STG >= 1 && DEPTH >= 2 * STG && (DEPTH & (DEPTH - 1)) == 0 &&
-                                (STG & (STG - 1)) == 0),
-                "the bulk-copy ring holds one row block per warp, a power-of-two number of slots, two stages or more");
   extern __shared__ __align__(16) __nv_bfloat16 xs[];
   __shared__ int s_last;
-  __shared__ __align__(8) uint64_t ring_bar[DEPTH > 0 ? NW * (DEPTH / STG) : 1];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -590,61 +539,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
   const int64_t P = gridDim.x, W = (int64_t)RG * KT;
   const int b = blockIdx.x;
   const int64_t u0 = sk_begin(b, W, P), u1 = sk_begin(b + 1, W, P);
-  const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
 
-  // v3 (DEPTH > 0): each warp streams its tile records (one per unit of the CTA's range, across row groups)
-  // through a ring of DEPTH record slots in shared memory (after the activation buffers), in stages of STG
-  // records: lane 0 fills a stage with bulk copies (one per run of contiguous records) counted on the stage's
-  // mbarrier ring_bar[w * NSTG + stage]. The first DEPTH records are requested here, before the PDL wait (weights:
-  // pdl.cuh); a stage is refilled once its last record has gone through the MMAs (so every lane's reads of it
-  // are complete: no proxy fence).
-  constexpr int RD = DEPTH > 0 ? DEPTH : STG;
-  constexpr int NSTG = RD / STG;
-  const uint32_t ring = xs_base + (uint32_t)(2 * CHUNK * 2) + (uint32_t)(warp * DEPTH * kRecordBytes);
-  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(ring_bar)) + (uint32_t)(warp * NSTG * 8);
-  const int64_t nunits = u1 - u0;
-  int64_t p_j = 0, c_j = 0;  // next record to request (lane 0's count), next to consume (the warp's)
-  int p_rg = (int)(u0 / KT), p_kt = (int)(u0 - (int64_t)p_rg * KT);
-  auto issue_stage = [&]() {  // lane 0: records p_j .. p_j + STG - 1 (those that exist) into their stage
-    const uint32_t s0 = (uint32_t)(p_j & (RD - 1));
-    const uint32_t bar = bars + 8 * (s0 / STG);
-    const int cnt = (int)min((int64_t)STG, nunits - p_j);
-    qerl_expect_tx(bar, (uint32_t)(cnt * kRecordBytes));
-    const uint8_t* run = nullptr;
-    uint32_t run_dst = 0, run_bytes = 0;
-    for (int i = 0; i < cnt; ++i) {
-      const uint8_t* src = qw + ((size_t)min(p_rg * NW + warp, NT - 1) * KT + p_kt) * kRecordBytes;
-      if (run && src == run + run_bytes) {
-        run_bytes += kRecordBytes;
-      } else {
-        if (run) bulk_copy(run_dst, run, run_bytes, bar);
-        run = src, run_bytes = kRecordBytes, run_dst = ring + (s0 + i) * kRecordBytes;
-      }
-      if (++p_kt == KT) p_kt = 0, ++p_rg;
-    }
-    bulk_copy(run_dst, run, run_bytes, bar);
-    p_j += cnt;
-  };
-  auto take = [&](WTile& w) {  // the whole warp: the next record (its stage waited for at the stage's start)
-    const uint32_t s = (uint32_t)(c_j & (RD - 1));
-    if (s % STG == 0) mbar_wait(bars + 8 * (s / STG), (uint32_t)((c_j / RD) & 1));
-    load_tile_shared(w, ring + s * kRecordBytes, lane);
-    ++c_j;
-  };
-  auto release = [&]() {  // the whole warp, after the MMAs of a record: refill its stage once all are done
-    if (c_j % STG == 0) {
-      __syncwarp();
-      if (lane == 0 && p_j < nunits) issue_stage();
-    }
-  };
-  if constexpr (DEPTH > 0) {
-    if (lane == 0) {
-      for (int s = 0; s < NSTG; ++s) mbar_init(bars + 8 * s);
-      mbar_init_fence();
-      while (p_j < nunits && p_j < DEPTH) issue_stage();
-    }
-    __syncwarp();
-  } else if (u0 < u1) {  // PDL prologue: warm L2 with this warp's first tiles (of the first row group in its range)
+  // PDL prologue: warm L2 with this warp's first tiles (of the first row group in its range)
+  if (u0 < u1) {
     const int rg0 = (int)(u0 / KT), kta = (int)(u0 - (int64_t)rg0 * KT);
     const int ktb = (int)min((int64_t)KT, (int64_t)kta + (u1 - u0));
 #pragma unroll
@@ -655,6 +552,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
   }
   // (the wait comes after the first segment's register loads of the weight, in the loop below)
 
+  const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
   if (mslice < MP) {
     for (int i = tid; i < 2 * (LDX / 8); i += NW * 32)
       *reinterpret_cast<uint4*>(xs + (i / (LDX / 8)) * CHUNK + mslice * LDX + (i % (LDX / 8)) * 8) =
@@ -685,14 +583,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       ps[r] = rec + kCodeBytes + 8 * g;
     }
     WTile wr[D][R];
-    if constexpr (DEPTH == 0) {
-      static_for<0, D>([&](auto di) {
-        constexpr int d = decltype(di)::value;
+    static_for<0, D>([&](auto di) {
+      constexpr int d = decltype(di)::value;
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-          if (kt0 + d < kt1) load_tile_at<d * kRecordBytes>(wr[d][r], pc[r], ps[r]);
-      });
-    }
+      for (int r = 0; r < R; ++r)
+        if (kt0 + d < kt1) load_tile_at<d * kRecordBytes>(wr[d][r], pc[r], ps[r]);
+    });
     // PDL: the first segment's first tiles are loaded while the kernel before us finishes (no kernel that
     // triggers early writes a packed weight: pdl.cuh); everything below reads activations or writes
     if (first_seg) qerl_pdl::wait();
@@ -751,17 +647,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       __syncthreads();
       const uint32_t lrow = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
       const int cbase = kt0 + c * KCH;
-      if constexpr (DEPTH > 0) {
-#pragma unroll
-        for (int i = 0; i < KCH; ++i) {
-          if (cbase + i < kt1) {
-            WTile cur[R];
-            take(cur[0]);
-            compute(cur, lrow, i);
-            release();
-          }
-        }
-      } else if (cbase + KCH + D <= kt1) {
+      if (cbase + KCH + D <= kt1) {
         static_for<0, KCH>([&](auto ii) {
           constexpr int i = decltype(ii)::value;
           WTile cur[R];
@@ -936,20 +822,12 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
   X(4, 4, 2, 4, 1, 2)             \
   X(8, 2, 2, 4, 1, 2)
 
-// the stream-K kernel, each for M <= 8 and M <= 16: v2 (4 warps, set_variant(2)) and v2w8 (8 warps, set_variant(4))
-// with register loads; v3 (8 warps, 16 ring slots per warp in stages of 4, set_variant(5)), v3w4 (4 warps, 16
-// slots, stages of 4, 6) and v3s2 (8 warps, 16 slots, stages of 2, 7) with bulk copies through shared memory (sm_90)
-#define QERL_MMA_V2_CONFIGS(X)    \
-  X(1, 1, 4, 8, 2, 5, 4, 0, 1)       \
-  X(2, 1, 4, 8, 2, 4, 4, 0, 1)       \
-  X(1, 1, 4, 8, 2, 2, 8, 0, 1)       \
-  X(2, 1, 4, 8, 2, 2, 8, 0, 1)       \
-  X(1, 1, 4, 8, 2, 2, 8, 16, 4)      \
-  X(2, 1, 4, 8, 2, 2, 8, 16, 4)      \
-  X(1, 1, 4, 8, 2, 4, 4, 16, 4)      \
-  X(2, 1, 4, 8, 2, 4, 4, 16, 4)      \
-  X(1, 1, 4, 8, 2, 2, 8, 16, 2)      \
-  X(2, 1, 4, 8, 2, 2, 8, 16, 2)
+// the stream-K kernel: v2 (4 warps, set_variant(2)) and v2w8 (8 warps, set_variant(4)), each for M <= 8 and M <= 16
+#define QERL_MMA_V2_CONFIGS(X) \
+  X(1, 1, 4, 8, 2, 5, 4)          \
+  X(2, 1, 4, 8, 2, 4, 4)          \
+  X(1, 1, 4, 8, 2, 2, 8)          \
+  X(2, 1, 4, 8, 2, 2, 8)
 
 #ifdef QERL_NO_TORCH
 // explicit instances for a stand-alone `nvcc -Xptxas -v` resource report
@@ -958,8 +836,8 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
       int, int, int, int, int, int, int);
 QERL_MMA_CONFIGS(QERL_INSTANCE)
-#define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB, NW, DEPTH, STG)                                          \
-  template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW, DEPTH, STG>(                   \
+#define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB, NW)                                                      \
+  template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>(                               \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
       int, int, int, int, int, int);
 QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
@@ -1000,7 +878,6 @@ static int g_fixup = [] {
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster
-static int64_t g_last_grid = 0;       // the last stream-K (v2 / v3) launch's CTA count
 
 // Variant 3 ("auto", the default) picks the small-M kernel per shape from the H200 measurements in
 // benchmarks/results/kernel_*_h200.json: the stream-K v2 kernel (4 or 8 warps per block) for the large weights
@@ -1015,13 +892,26 @@ constexpr int64_t kV2W8MinWeights = 60000000;
 // on 7B, 66.9 vs 72.4 on 32B); at 8 < M <= 16 the alternative configuration with its splits in a cluster wins
 // everything else (7B q/k/v 9.8 vs 16.2, o 9.8 vs 15.4, down 25.6 vs 32.8; 32B o 12.8 vs 17.2, down 36.8 vs 45.3);
 // at M <= 8 the default configuration wins the small weights (7B q/k/v 10.1, o 10.3 us at M = 8).
+//
+// Session 9 (benchmarks/results/ab_variants_*_s9_h200.json: two runs of every variant forced in one process,
+// interleaved, M = 1, 8, 16; both agree within 0.5 us on the cases below) changed three rules, all on shapes the
+// 7B decode does not run:
+//   * at M <= 8, square weights of >= 5120 rows (32B o) take v2w8, not v2: 8.6 / 10.2 us at M = 1 against 10.1,
+//     10.2 / 12.4 at M = 8 against 12.6 (wide ones, 32B q/k/v, keep v2: 11.5 against 14.4 at M = 1);
+//   * at 8 < M <= 16, every weight of >= 6e7 entries takes v2w8 (since session 7's batched fixup): 7B down 24.7 /
+//     24.8 against 26.0 / 26.7 for alt with a cluster split, 32B down 33.5 / 33.7 against 36.6 / 36.9;
+//   * at 8 < M <= 16, wide weights of >= 5120 rows below that (32B q/k/v) take the default configuration: 15.8 /
+//     16.4 against 21.7 / 21.9 for alt.
 static int auto_variant(int64_t M, int64_t N, int64_t K) {
   if (M <= 8) {
     if (N * K >= kV2W8MinWeights) return 4;
-    if (N >= kV2MinRows) return 2;
+    if (N >= kV2MinRows) return N > K ? 2 : 4;
     return 0;
   }
-  if (M <= 16) return (N * K >= kV2MinWeights && N > K) ? 4 : 1;
+  if (M <= 16) {
+    if (N * K >= kV2W8MinWeights) return 4;
+    return (N >= kV2MinRows && N > K) ? 0 : 1;
+  }
   if (M > 32 && N * K >= kV2MinWeights) return 1;  // two row blocks per warp: 8-15 % faster on gate_up at M = 64
   return 0;
 }
@@ -1218,7 +1108,7 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
 }
 
 // opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG
-template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, int DEPTH, int STG>
+template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
 static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs,
                           const __nv_bfloat16* bias, at::Tensor& out, int M, int N, int K, int NT, int KT) {
   constexpr int ROWS_BLOCKS = NW * R;
@@ -1227,9 +1117,8 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
   const int sms = num_sms(x.get_device());
   const int rows_alloc = std::min(MP, M + 1);
-  const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16) +
-                      (size_t)NW * DEPTH * kRecordBytes;  // activation buffers, then v3's ring of tile records
-  auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW, DEPTH, STG>;
+  const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16);
+  auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>;
   int occ = 1;
   {
     static std::mutex mu;
@@ -1252,7 +1141,6 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>((int64_t)sms * occ, (W + kMinUnits - 1) / kMinUnits));
   at::Tensor wsbuf = at::empty({2 * P * (int64_t)M * ROWS_BLOCKS * 16}, x.options().dtype(at::kFloat));
   int* counters = counters_for(x, RG);
-  g_last_grid = P;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(),
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
@@ -1294,23 +1182,13 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
   // variant 0 (default) / 1 (alternative) per M range; variant 2: the stream-K kernel for M <= 16 (larger M as
   // variant 0); variant 3 (auto): one of them per shape (auto_variant)
-  int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
-  if (variant >= 5 && !qerl_pdl::device_supports(x.get_device())) variant = 4;  // bulk copies need sm_90
+  const int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
   if (variant == 2 && M <= 16) {
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4, 0, 1>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 4, 4, 0, 1>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
   } else if (variant == 4 && M <= 16) {  // v2 with 8 warps per block: the staged activations serve 128 rows
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, 0, 1>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 2, 8, 0, 1>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (variant == 5 && M <= 16) {  // v3: v2w8's work split, tile records through a bulk-copy ring
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, 16, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 2, 8, 16, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (variant == 6 && M <= 16) {  // v3w4: the same with 4 warps per block
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 4, 4, 16, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 4, 4, 16, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (variant == 7 && M <= 16) {  // v3s2: v3 with stages of 2 records
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, 16, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 2, 8, 16, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<2, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
   } else if (M <= 8) {
     if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
     else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
@@ -1356,9 +1234,9 @@ void set_fixup(int64_t v) {
   g_fixup = (int)v;
 }
 void set_variant(int64_t v) {
-  TORCH_CHECK(v >= 0 && v <= 7,
-              "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2), 3 (auto, per shape), 4 "
-              "(v2 with 8 warps per block), 5 (v3: bulk-copy ring), 6 (v3 with 4 warps) or 7 (v3 with stages of 2)");
+  TORCH_CHECK(v >= 0 && v <= 4,
+              "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2), 3 (auto, per shape) or 4 "
+              "(v2 with 8 warps per block)");
   g_variant = (int)v;
 }
 int64_t get_variant() { return g_variant; }
@@ -1381,8 +1259,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
   m.def("last_split", [] { return qerl::g_last_split; },
         "K split of the last small-M mma launch (v1 kernel), negative when reduced in a cluster");
-  m.def("last_grid", [] { return qerl::g_last_grid; },
-        "CTA count of the last stream-K (v2 / v3) launch: equal counts mean the same work split and summation order");
   m.def("linear_t_out", &qerl::linear_t_out, "g @ W into out");
   m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
@@ -1390,8 +1266,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
   m.def("set_variant", &qerl::set_variant,
         "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 16, 3 auto (per shape), "
-        "4 v2 with 8 warps per block, 5 v3 (v2w8 with a bulk-copy ring, sm_90), 6 v3 with 4 warps, 7 v3 with stages of 2");
+        "4 v2 with 8 warps per block");
   m.def("get_variant", &qerl::get_variant);
+  m.def("auto_variant", [](int64_t m, int64_t n, int64_t k) { return (int64_t)qerl::auto_variant(m, n, k); },
+        "the small-M variant auto picks for x of m rows and an [n, k] weight (the set_variant codes)");
   m.def("set_fixup", &qerl::set_fixup,
         "stream-K fixup of the v2 kernel: 0 auto (per M), 1 batched (4 elements x 8 slots in flight), 2 serial");
   m.def("get_fixup", [] { return (int64_t)qerl::g_fixup; });

@@ -30,16 +30,14 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
   ``QERL_CLUSTER=0`` for the workspace path); above M = 16 not for wide weights (N > K) of >= 1e8 entries.
 
 Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (at M <= 8:
-``"v2w8"`` for weights of >= 6e7 entries, ``"v2"`` for smaller ones of >= 5120 rows, ``"default"`` for the rest;
-at 8 < M <= 16: ``"v2w8"`` for wide weights (N > K) of >= 1e8 entries, ``"alt"`` otherwise; above: ``"alt"``
-for weights of >= 1e8 entries at 32 < M <= 64, ``"default"`` otherwise; see ``auto_variant`` in the CUDA
-source). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in
+``"v2w8"`` for weights of >= 6e7 entries, for smaller ones of >= 5120 rows ``"v2"`` if wide (N > K) and
+``"v2w8"`` otherwise, ``"default"`` for the rest; at 8 < M <= 16: ``"v2w8"`` for weights of >= 6e7 entries,
+``"default"`` for smaller wide ones of >= 5120 rows, ``"alt"`` otherwise; above: ``"alt"`` for weights of >= 1e8
+entries at 32 < M <= 64, ``"default"`` otherwise; see ``auto_variant`` in the CUDA source). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in
 the environment (read when the extension loads) forces one: ``"default"`` is the original kernel, ``"alt"`` its
 alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
-tile) for M <= 16, ``"v2w8"`` the same with 8 warps per block (the activations staged once serve 128 rows);
-``"v3"`` is ``"v2w8"``'s work split with the weight's tile records streamed by bulk copies (sm_90's TMA unit)
-through a ring of 16 records per warp in shared memory, in stages of 4, instead of register loads (``"v3w4"``: 4
-warps per block, ``"v3s2"``: stages of 2 records); on GPUs before sm_90 they run as ``"v2w8"``. All read the same tile records and have the same op signatures.
+tile) for M <= 16, ``"v2w8"`` the same with 8 warps per block (the activations staged once serve 128 rows).
+All read the same tile records and have the same op signatures.
 
 If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
 :func:`layout.dequantize`) and one warning line says why. Split-K launches keep a small self-resetting
@@ -65,7 +63,7 @@ BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
 
-VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4, "v3": 5, "v3w4": 6, "v3s2": 7}
+VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4}
 
 _DEFAULT_ARCH_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -167,7 +165,7 @@ def _variant_name(v: str) -> str:
 
 
 def variant() -> str:
-    """The small-M kernel variant in use: "auto" (per shape) or a forced one (a key of ``VARIANTS``)."""
+    """The small-M kernel variant in use: "auto" (per shape), "default", "alt" or "v2"."""
     ext = _load()
     if ext is None:
         return _variant
@@ -176,7 +174,7 @@ def variant() -> str:
 
 
 def set_variant(v: str) -> None:
-    """Select the small-M kernel variant (a key of ``VARIANTS``; "auto": per shape), process-wide.
+    """Select the small-M kernel variant ("auto", "default", "alt" or "v2"), process-wide.
 
     Without a CUDA extension this only records the choice (the torch reference ignores it). Overrides
     ``QERL_KERNEL_VARIANT``."""
