@@ -886,6 +886,7 @@ static int64_t g_last_split = 0;      // the last launch's K split, negative whe
 constexpr int64_t kV2MinWeights = 100000000;
 constexpr int64_t kV2MinRows = 5120;  // session 5: v2 also wins on the 32B q/k/v, o and down shapes (N >= 5120)
 constexpr int64_t kV2W8MinWeights = 60000000;
+constexpr int64_t kAltMinWeightsAbove32 = 140000000;  // 32B down (1.42e8) and gate/up; not 7B gate/up (1.36e8)
 // session 6 (benchmarks/results/kernel_s6b_h200.json, with the cluster split-K): v2 with 8 warps per block is
 // the fastest at M <= 8 on every weight of >= 6e7 entries (7B gate_up 28.6 vs 31.3 us and down 21.7 vs 24.0 at
 // M = 8; 32B gate_up 49.2 vs 53.6, down 31.5 vs 33.3) and at 8 < M <= 16 on the wide ones (gate_up: 38.3 vs 41.7
@@ -912,7 +913,10 @@ static int auto_variant(int64_t M, int64_t N, int64_t K) {
     if (N * K >= kV2W8MinWeights) return 4;
     return (N >= kV2MinRows && N > K) ? 0 : 1;
   }
-  if (M > 32 && N * K >= kV2MinWeights) return 1;  // two row blocks per warp: 8-15 % faster on gate_up at M = 64
+  // two row blocks per warp above M = 32: faster on the 32B gate/up and down at M = 64 (session 9,
+  // ab_variants_m64b_s9_h200.json: 162.9 against 176.3 us, 105.7 against 119.3), slower on the 7B gate/up (106.5
+  // against 99.7 at M = 64, 96.3 against 86.2 at M = 40; session 5 had measured alt 8-15 % faster there)
+  if (M > 32 && N * K >= kAltMinWeightsAbove32) return 1;
   return 0;
 }
 

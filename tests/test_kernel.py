@@ -265,8 +265,10 @@ def test_gpu_auto_variant_rules():
         16: {qkv7: "alt", o7: "alt", gu7: "v2w8", dn7: "v2w8", qkv32: "default", o32: "alt", gu32: "v2w8",
              dn32: "v2w8"},
     }
+    expect[64] = {qkv7: "default", o7: "default", gu7: "default", dn7: "default", qkv32: "default",
+                  o32: "default", gu32: "alt", dn32: "alt"}
     for m, table in expect.items():
-        for mm in ((m, 8) if m == 1 else (9, m)):
+        for mm in {1: (1, 8), 16: (9, 16), 64: (33, 64)}[m]:
             for (n, k), name in table.items():
                 assert int(ext.auto_variant(mm, n, k)) == v[name], (mm, n, k, name)
 
