@@ -895,8 +895,8 @@ constexpr int64_t kAltMinWeightsAbove32 = 140000000;  // 32B down (1.42e8) and g
 // at M <= 8 the default configuration wins the small weights (7B q/k/v 10.1, o 10.3 us at M = 8).
 //
 // Session 9 (benchmarks/results/ab_variants_*_s9_h200.json: two runs of every variant forced in one process,
-// interleaved, M = 1, 8, 16; both agree within 0.5 us on the cases below) changed three rules, all on shapes the
-// 7B decode does not run:
+// interleaved, M = 1, 8, 16; both agree within 0.5 us on the cases below) changed three rules, on 32B shapes and
+// the 7B down at M = 16 (the 7B decode at M = 8 keeps its choices):
 //   * at M <= 8, square weights of >= 5120 rows (32B o) take v2w8, not v2: 8.6 / 10.2 us at M = 1 against 10.1,
 //     10.2 / 12.4 at M = 8 against 12.6 (wide ones, 32B q/k/v, keep v2: 11.5 against 14.4 at M = 1);
 //   * at 8 < M <= 16, every weight of >= 6e7 entries takes v2w8 (since session 7's batched fixup): 7B down 24.7 /

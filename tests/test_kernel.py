@@ -259,18 +259,18 @@ def test_gpu_auto_variant_rules():
     v = kernel.VARIANTS
     qkv7, o7, gu7, dn7 = (4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)
     qkv32, o32, gu32, dn32 = (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)
-    expect = {
-        1: {qkv7: "default", o7: "default", gu7: "v2w8", dn7: "v2w8", qkv32: "v2", o32: "v2w8", gu32: "v2w8",
-            dn32: "v2w8"},
-        16: {qkv7: "alt", o7: "alt", gu7: "v2w8", dn7: "v2w8", qkv32: "default", o32: "alt", gu32: "v2w8",
-             dn32: "v2w8"},
+    expect = {  # M range -> shape -> variant
+        (1, 8): {qkv7: "default", o7: "default", gu7: "v2w8", dn7: "v2w8", qkv32: "v2", o32: "v2w8", gu32: "v2w8",
+                 dn32: "v2w8"},
+        (9, 16): {qkv7: "alt", o7: "alt", gu7: "v2w8", dn7: "v2w8", qkv32: "default", o32: "alt", gu32: "v2w8",
+                  dn32: "v2w8"},
+        (33, 64): {qkv7: "default", o7: "default", gu7: "default", dn7: "default", qkv32: "default",
+                   o32: "default", gu32: "alt", dn32: "alt"},
     }
-    expect[64] = {qkv7: "default", o7: "default", gu7: "default", dn7: "default", qkv32: "default",
-                  o32: "default", gu32: "alt", dn32: "alt"}
-    for m, table in expect.items():
-        for mm in {1: (1, 8), 16: (9, 16), 64: (33, 64)}[m]:
+    for ms, table in expect.items():
+        for m in ms:
             for (n, k), name in table.items():
-                assert int(ext.auto_variant(mm, n, k)) == v[name], (mm, n, k, name)
+                assert int(ext.auto_variant(m, n, k)) == v[name], (m, n, k, name)
 
 
 @pytest.mark.gpu
