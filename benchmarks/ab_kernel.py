@@ -29,6 +29,17 @@ from bench_kernel import L2_BYTES, MODELS, random_packed, shapes, time_graph  # 
 from qerl_cli import kernel, layout  # noqa: E402
 
 
+def packed_weights(models: str, gen: torch.Generator):
+    """(model, layer, n, k, packed bytes, copies) for every linear shape of the comma-separated models: enough
+    random packed copies of the weight that rotating over them keeps L2 from serving repeats."""
+    for model in models.split(","):
+        for layer, n, k in shapes(model):
+            np_, kp = layout.padded_shape(n, k)
+            nbytes = np_ * kp * 9 // 16
+            qws = [random_packed(n, k, gen) for _ in range(max(2, math.ceil(4 * L2_BYTES / nbytes)))]
+            yield model, layer, n, k, nbytes, qws
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--other", help="directory holding the other nvfp4_kernel.cu (+ its headers)")
@@ -64,38 +75,33 @@ def main() -> int:
             new.set_fixup(fixup[e])
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for model in args.models.split(","):
-        for layer, n, k in shapes(model):
-            np_, kp = layout.padded_shape(n, k)
-            cq = max(2, math.ceil(4 * L2_BYTES / (np_ * kp * 9 // 16)))
-            qws = [random_packed(n, k, gen) for _ in range(cq)]
-            gs = torch.tensor([2000.0], device="cuda")
-            for m in (int(v) for v in args.ms.split(",")):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                out = {e: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for e in ("new", "old")}
-                exts = {"new": new, "old": other}
-                paths = {e: int(exts[e].choose_path(m, n, k)) for e in exts}
-                for e in exts:  # same results (to the summation order) before timing
+    for model, layer, n, k, _, qws in packed_weights(args.models, gen):
+        cq = len(qws)
+        gs = torch.tensor([2000.0], device="cuda")
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            out = {e: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for e in ("new", "old")}
+            exts = {"new": new, "old": other}
+            paths = {e: int(exts[e].choose_path(m, n, k)) for e in exts}
+            for e in exts:  # same results (to the summation order) before timing
+                use(e)
+                exts[e].linear_out(x, qws[0], gs, n, k, out[e], -1)
+            torch.cuda.synchronize()
+            diff = float((out["new"].float() - out["old"].float()).norm() / out["old"].float().norm())
+            times = {"new": [], "old": []}
+            calls = cq * math.ceil(24 / cq)
+            for _ in range(args.rounds):
+                for e in ("new", "old"):
                     use(e)
-                    exts[e].linear_out(x, qws[0], gs, n, k, out[e], -1)
-                torch.cuda.synchronize()
-                diff = float((out["new"].float() - out["old"].float()).norm() / out["old"].float().norm())
-                times = {"new": [], "old": []}
-                calls = cq * math.ceil(24 / cq)
-                for _ in range(args.rounds):
-                    for e in ("new", "old"):
-                        use(e)
-                        times[e].append(1e6 * time_graph(
-                            lambda i, e=e: exts[e].linear_out(x, qws[i], gs, n, k, out[e], -1), cq, calls))
-                row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "paths": paths, "rel_diff": diff,
-                       "new_us": statistics.median(times["new"]), "old_us": statistics.median(times["old"]),
-                       "new_all": times["new"], "old_all": times["old"]}
-                rows.append(row)
-                print(f"{model:12s} {layer:8s} m={m:3d}  new {row['new_us']:7.1f} us  old {row['old_us']:7.1f} us  "
-                      f"({100 * (row['new_us'] / row['old_us'] - 1):+5.1f}%)  paths {paths}  diff {diff:.1e}",
-                      flush=True)
-            del qws
-            torch.cuda.empty_cache()
+                    times[e].append(1e6 * time_graph(
+                        lambda i, e=e: exts[e].linear_out(x, qws[i], gs, n, k, out[e], -1), cq, calls))
+            row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "paths": paths, "rel_diff": diff,
+                   "new_us": statistics.median(times["new"]), "old_us": statistics.median(times["old"]),
+                   "new_all": times["new"], "old_all": times["old"]}
+            rows.append(row)
+            print(f"{model:12s} {layer:8s} m={m:3d}  new {row['new_us']:7.1f} us  old {row['old_us']:7.1f} us  "
+                  f"({100 * (row['new_us'] / row['old_us'] - 1):+5.1f}%)  paths {paths}  diff {diff:.1e}",
+                  flush=True)
     if fixup:
         new.set_fixup(0)
     if args.json:
@@ -117,47 +123,42 @@ def compare_variants(args) -> int:
         names.append("auto")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for model in args.models.split(","):
-        for layer, n, k in shapes(model):
-            np_, kp = layout.padded_shape(n, k)
-            cq = max(2, math.ceil(4 * L2_BYTES / (np_ * kp * 9 // 16)))
-            cb = max(2, math.ceil(4 * L2_BYTES / (n * k * 2)))
-            qws = [random_packed(n, k, gen) for _ in range(cq)]
-            wbf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(cb)]
-            gs = torch.tensor([2000.0], device="cuda")
-            for m in (int(v) for v in args.ms.split(",")):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                out = {v: torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for v in names}
+    for model, layer, n, k, weight_bytes, qws in packed_weights(args.models, gen):
+        cq = len(qws)
+        cb = max(2, math.ceil(4 * L2_BYTES / (n * k * 2)))
+        wbf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(cb)]
+        gs = torch.tensor([2000.0], device="cuda")
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            out = {v: torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for v in names}
+            for v in names:
+                ext.set_variant(kernel.VARIANTS[v])
+                ext.linear_out(x, qws[0], gs, n, k, out[v], -1)
+            torch.cuda.synchronize()
+            ref = out[names[0]].float()
+            same = {v: bool(torch.equal(out[v], out[names[0]])) for v in names}
+            diff = {v: float((out[v].float() - ref).norm() / ref.norm()) for v in names}
+            nan = {v: bool(torch.isnan(out[v]).any()) for v in names}
+            times = {v: [] for v in names + ["cublas"]}
+            calls = cq * math.ceil(24 / cq)
+            yb = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            for _ in range(args.rounds):
                 for v in names:
                     ext.set_variant(kernel.VARIANTS[v])
-                    ext.linear_out(x, qws[0], gs, n, k, out[v], -1)
-                torch.cuda.synchronize()
-                ref = out[names[0]].float()
-                same = {v: bool(torch.equal(out[v], out[names[0]])) for v in names}
-                diff = {v: float((out[v].float() - ref).norm() / ref.norm()) for v in names}
-                nan = {v: bool(torch.isnan(out[v]).any()) for v in names}
-                times = {v: [] for v in names + ["cublas"]}
-                calls = cq * math.ceil(24 / cq)
-                yb = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                for _ in range(args.rounds):
-                    for v in names:
-                        ext.set_variant(kernel.VARIANTS[v])
-                        times[v].append(1e6 * time_graph(
-                            lambda i, v=v: ext.linear_out(x, qws[i], gs, n, k, out[v], -1), cq, calls))
-                    times["cublas"].append(1e6 * time_graph(
-                        lambda i: torch.matmul(x, wbf[i].t(), out=yb), cb, cb * math.ceil(24 / cb)))
-                med = {v: statistics.median(ts) for v, ts in times.items()}
-                weight_bytes = np_ * kp * 9 // 16
-                row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "us": med, "all": times,
-                       "same_bits_as_first": same, "rel_diff": diff, "nan": nan, "weight_bytes": weight_bytes}
-                rows.append(row)
-                cells = "  ".join(f"{v} {med[v]:6.1f}{'' if same[v] else '*'}" for v in names)
-                best = min(names, key=lambda v: med[v])
-                print(f"{model:12s} {layer:8s} m={m:3d}  {cells}  cuBLAS {med['cublas']:6.1f}  best {best} "
-                      f"x{med['cublas'] / med[best]:4.2f} ({weight_bytes / med[best] / 1e3:5.0f} GB/s)"
-                      f"{'  NaN!' if any(nan.values()) else ''}", flush=True)
-            del qws, wbf
-            torch.cuda.empty_cache()
+                    times[v].append(1e6 * time_graph(
+                        lambda i, v=v: ext.linear_out(x, qws[i], gs, n, k, out[v], -1), cq, calls))
+                times["cublas"].append(1e6 * time_graph(
+                    lambda i: torch.matmul(x, wbf[i].t(), out=yb), cb, cb * math.ceil(24 / cb)))
+            med = {v: statistics.median(ts) for v, ts in times.items()}
+            row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "us": med, "all": times,
+                   "same_bits_as_first": same, "rel_diff": diff, "nan": nan, "weight_bytes": weight_bytes}
+            rows.append(row)
+            cells = "  ".join(f"{v} {med[v]:6.1f}{'' if same[v] else '*'}" for v in names)
+            best = min(names, key=lambda v: med[v])
+            print(f"{model:12s} {layer:8s} m={m:3d}  {cells}  cuBLAS {med['cublas']:6.1f}  best {best} "
+                  f"x{med['cublas'] / med[best]:4.2f} ({weight_bytes / med[best] / 1e3:5.0f} GB/s)"
+                  f"{'  NaN!' if any(nan.values()) else ''}", flush=True)
+        del wbf
     ext.set_variant(3)
     print("(* = not bit-identical to the first variant; relative differences in the JSON)")
     if args.json:
