@@ -58,6 +58,14 @@ print('kernel available:', ok, kernel.build_error(), f'build+load {time.time()-t
 print('fused elementwise kernels available:', fused.available(), fused.build_error())" 2>&1 | tee "$OUT/build.log"
 }
 
+# the 7B-shape rollout bench at batch 8 without and with a rank-32 adapter (bench_rollout.py --lora-only), for at
+# most $1 seconds; $2: the part, for the stamp
+lora_rollout() {
+  timeout "$1" python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 --json "$OUT/rollout_7b_lora.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
+  stamp "$2" "7B LoRA rollout bench done"
+}
+
 case "${1:?part 1, 2, 3, 4, 5, 6, 7, 8 or 9}" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -117,9 +125,7 @@ case "${1:?part 1, 2, 3, 4, 5, 6, 7, 8 or 9}" in
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_fused_gpu.py tests/test_engine_gpu.py} \
     2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
   stamp 12 "GPU tests done"
-  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 \
-    --json "$OUT/rollout_7b_lora.json" 2>&1 | grep -v '^{' | tee "$OUT/bench_rollout_7b_lora.log"
-  stamp 12 "7B LoRA rollout bench done"
+  lora_rollout $(( 590 - $(date +%s) + t0 )) 12
   ;;
 13)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -160,9 +166,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout 90 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 \
     | grep -v Warning | tee "$OUT/lora_terms_m8.log"
   stamp 15 "LoRA terms probed"
-  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 \
-    --json "$OUT/rollout_7b_lora.json" 2>&1 | grep -v '^{' | tee "$OUT/bench_rollout_7b_lora.log"
-  stamp 15 "7B LoRA rollout bench done"
+  lora_rollout $(( 590 - $(date +%s) + t0 )) 15
   ;;
 16)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -176,9 +180,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   ;;
 8)
   build; stamp 8 "kernels built"
-  timeout 200 python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 --json "$OUT/rollout_7b_lora.json" 2>&1 \
-    | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
-  stamp 8 "7B LoRA rollout bench done"
+  lora_rollout 200 8
   ;;
 7)
   build; stamp 7 "kernels loaded"
@@ -193,9 +195,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_fused_gpu.py tests/test_engine_gpu.py \
     2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
   stamp 5 "GPU tests done"
-  timeout 200 python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 --json "$OUT/rollout_7b_lora.json" 2>&1 \
-    | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
-  stamp 5 "7B LoRA rollout bench done"
+  lora_rollout 200 5
   ;;
 1)
   mkdir -p /root/smol && [ -f .carry/p1/part.aa ] && cp .carry/p1/part.aa /root/smol/ && stamp 1 "first half of the GGUF parked"
