@@ -193,6 +193,9 @@ def main() -> None:
     ap.add_argument("--lora-only", action="store_true",
                     help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
                          "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
+    ap.add_argument("--kernel-variants", default=None,
+                    help="comma-separated small-M kernel variants (qerl_cli.kernel.VARIANTS): 7B shapes, NVFP4 "
+                         "only, batch 8 and 64, each variant forced in turn (one packed model, one process)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -230,7 +233,9 @@ def main() -> None:
     # (b) Qwen2.5-7B shapes, random weights
     gc.collect()
     torch.cuda.empty_cache()
-    if args.lora_only:
+    if args.kernel_variants:
+        variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
+    elif args.lora_only:
         lora_part(result, rows, save)
     elif not args.skip_7b:
         big = random_model(qwen7b_config())
@@ -280,6 +285,30 @@ def without_pdl(fn):
         return fn()
     finally:
         kernel.set_pdl(True)
+
+
+def variants_part(result, rows, save, names: list[str]) -> None:
+    """The 7B-shape NVFP4 rollout at batch 8 and 64 under each forced small-M kernel variant (the engine's CUDA
+    graphs are captured per run, so each run launches only the variant set before it); the variant in force
+    before is restored."""
+    from qerl_cli import kernel
+
+    bad = [v for v in names if v not in kernel.VARIANTS]
+    if bad:
+        raise SystemExit(f"bench_rollout: unknown kernel variant(s) {bad}; known: {sorted(kernel.VARIANTS)}")
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = kernel.variant()
+    try:
+        for batch in (8, 64):
+            for v in names:
+                kernel.set_variant(v)
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": f"ours-nvfp4 kernel={v}", "batch": batch,
+                             **time_engine(big, batch, 256, 512, 152064)})
+                save()
+    finally:
+        kernel.set_variant(before)
 
 
 def lora_part(result, rows, save) -> None:
