@@ -366,3 +366,40 @@ def test_symlink_in_output_rejected(tmp_path):
 def test_names_are_constants():
     assert names.MANIFEST == "manifest.json" and names.SCHEMA == "qerl.artifact/1"
     assert {"progress"} <= names.COSMETIC_FIELDS
+
+
+def test_directory_with_a_foreign_manifest_is_never_replaced(tmp_path):
+    """A web app's manifest.json is not a qerl artifact: refused with and without --force, files untouched (a
+    qerl manifest this qerl cannot read, e.g. an older schema, can still be replaced with --force)."""
+    out = tmp_path / "webapp"
+    out.mkdir()
+    (out / names.MANIFEST).write_text(json.dumps({"name": "my-pwa"}))
+    (out / "index.html").write_text("precious")
+    body = Body()
+    for force in (False, True):
+        with pytest.raises(QerlError, match="not a qerl artifact's; it is never replaced"):
+            _run(out, body, force=force)
+    assert body.calls == 0 and (out / "index.html").read_text() == "precious"
+    old = tmp_path / "old"
+    _run(old)
+    _rewrite_manifest(old, schema=names.SCHEMA_NAME + "/0")
+    with pytest.raises(QerlError, match="already holds an unreadable artifact"):
+        _run(old)
+    assert _run(old, force=True).manifest[names.K_SCHEMA] == names.SCHEMA
+
+
+def test_output_overlapping_an_input_is_refused(tmp_path):
+    """Writing a stage's output onto its input, into it, or around it would destroy the input: refused before
+    anything runs, --force or not."""
+    src = _run(tmp_path / "src")
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    body = Body()
+    for out, inp in ((src.path, src.as_input(src.path)), (src.path / "inner", src.as_input(src.path / "inner")),
+                     (tmp_path, src.as_input(tmp_path)), (tmp_path, artifact.Input("data", str(data), "b" * 64))):
+        for force in (False, True):
+            with pytest.raises(QerlError, match="overlap"):
+                _run(out, body, inputs=[inp], force=force)
+    assert body.calls == 0 and artifact.open_artifact(src.path, "quant").digest == src.digest
+    ok = _run(tmp_path / "next", inputs=[src.as_input(tmp_path / "next"), artifact.Input("task", "arith:4", "c" * 64)])
+    assert ok.path.is_dir()

@@ -162,3 +162,8 @@ def test_verify_failure_exits_1(pipeline_copy, tmp_path, monkeypatch):
     # rerunning the failed verify is cached and still exits 1
     res = run_cli("verify", str(tmp_path / "bad-packed"), "-o", str(out))
     assert res.returncode == 1 and "(cached)" in res.stderr
+
+
+def test_output_that_cannot_be_created_is_one_sentence(pipeline_copy):
+    res = run_cli("pack", str(pipeline_copy["quant"]), "-o", "/proc/qerl-cannot-be-here", "--no-progress")
+    _assert_clean_error(res)

@@ -105,13 +105,23 @@ def test_rollout_bad_inputs(pipeline, tmp_path):
 
 
 def test_failed_verify_blocks_rollout(pipeline, tmp_path):
+    """A verify artifact of this pack whose report failed blocks sampling, also after a hand edit of its
+    manifest's metrics to "passed" (the verdict is read from the hashed report)."""
+    packed = artifact.open_artifact(pipeline / "packed", names.KIND_PACKED)
     v = tmp_path / "verify"
-    shutil.copytree(pipeline / "verify", v)
-    m = json.loads((v / names.MANIFEST).read_text())
-    m["metrics"]["passed"] = False
-    (v / names.MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(QerlError, match="failed verification"):
-        rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro", verify_dir=v, progress=False)
+
+    def body(tmp):
+        (tmp / names.VERIFY_REPORT).write_text(json.dumps({"passed": False}))
+        return {"passed": False}
+
+    artifact.run_stage(names.KIND_VERIFY, v, {}, [packed.as_input(v)], body)
+    for edit in (False, True):
+        if edit:
+            m = json.loads((v / names.MANIFEST).read_text())
+            m["metrics"]["passed"] = True
+            (v / names.MANIFEST).write_text(json.dumps(m))
+        with pytest.raises(QerlError, match="failed verification"):
+            rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro", verify_dir=v, progress=False)
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -22,13 +22,19 @@ def load_lora(path: str | Path, model) -> LoRA:
     path = Path(path)
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
         raise QerlError(f"{path} is not a LoRA adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}.")
-    conf = json.loads((path / ADAPTER_CONFIG).read_text())
-    r = int(conf.get("r", 0))
+    try:
+        conf = json.loads((path / ADAPTER_CONFIG).read_text())
+        r = int(conf.get("r", 0))
+        alpha = float(conf.get("lora_alpha", r))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise QerlError(f"{path / ADAPTER_CONFIG} is not a valid adapter config ({e}).") from None
     if r < 1:
         raise QerlError(f"{path / ADAPTER_CONFIG} has no valid rank r.")
-    alpha = float(conf.get("lora_alpha", r))
     scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
-    tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    try:
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except Exception as e:  # (safetensors' own error type for a file cut short or not a safetensors file)
+        raise QerlError(f"{path / ADAPTER_WEIGHTS} cannot be read ({e}).") from None
     factors: dict[str, list] = {}
     for key, t in tensors.items():
         for part, idx in (("lora_A", 0), ("lora_B", 1)):

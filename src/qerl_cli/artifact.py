@@ -199,6 +199,44 @@ def _list_files(root: Path) -> list[dict]:
     return files
 
 
+_ARTIFACT_KINDS = {names.KIND_MODEL, names.KIND_CALIB, names.KIND_QUANT, names.KIND_PACKED, names.KIND_VERIFY,
+                   names.KIND_ROLLOUT, names.KIND_EVAL, names.KIND_REPORT, names.KIND_RUN}
+
+
+def check_output_apart(out: str | Path, inputs: list[Input]) -> None:
+    """A clear error when the output directory is one of the inputs, holds one, or lies inside one: replacing
+    it would destroy that input (artifact inputs are recorded relative to the output, data files, prompts,
+    adapters and tasks as given)."""
+    o = Path(out).resolve()
+    for i in inputs:
+        cands = [Path(out) / i.path] if i.kind in _ARTIFACT_KINDS else [Path(i.path), Path(out) / i.path]
+        for c in cands:
+            try:
+                c = c.resolve()  # (first: "out/.." must not depend on out existing)
+                if not c.exists():
+                    continue
+            except OSError:
+                continue
+            if c == o or o in c.parents or c in o.parents:
+                raise QerlError(f"the output {out} and the input {c} overlap (one is or holds the other), so writing "
+                                "the output would destroy the input; choose another output.")
+
+
+def is_qerl_manifest(root: Path) -> bool:
+    """Whether ``root``'s manifest.json was written by qerl (its schema names ours), readable by this qerl or
+    not: only such a directory may be replaced with --force."""
+    try:
+        m = json.loads((Path(root) / names.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and str(m.get(names.K_SCHEMA, "")).startswith(names.SCHEMA_NAME + "/")
+
+
+def foreign_manifest_error(out: Path) -> QerlError:
+    return QerlError(f"{out} holds a {names.MANIFEST} that is not a qerl artifact's; it is never replaced, not even "
+                     "with --force: choose another output.")
+
+
 def _sweep_stale_temporaries(out: Path) -> None:
     """Remove temporaries (and replaced outputs) left by stages that were killed."""
     for p in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
@@ -242,6 +280,7 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
     """
     out = Path(out)
     key = cache_key(kind, config, inputs)
+    check_output_apart(out, inputs)
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise QerlError(f"output path {out} exists and is not a directory.")
@@ -251,6 +290,8 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
                 manifest = read_manifest(out)
             except QerlError:
                 manifest = None
+                if not is_qerl_manifest(out):
+                    raise foreign_manifest_error(out) from None
             if manifest is not None and not force and manifest[names.K_KEY] == key:
                 problem = verify_files(out, manifest)
                 if problem is None:
@@ -323,7 +364,12 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.rename(out, old)
-        os.rename(tmp, out)
+        try:
+            os.rename(tmp, out)
+        except BaseException:  # (a signal between the two renames): the old output goes back
+            if not out.exists():
+                os.rename(old, out)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out)

@@ -136,10 +136,11 @@ def verify_cmd(
 
         qerl verify out/packed -o out/verify
     """
+    from .rollout import verify_passed
     from .verify import verify
 
     art = verify(packed, output, against=against, config_file=config, force=force, progress=progress)
-    if not art.metrics.get("passed", False):
+    if not verify_passed(art):  # (the hashed report's verdict, also for a cached artifact)
         raise typer.Exit(1)
 
 
@@ -296,20 +297,35 @@ def report_cmd(
     report(artifacts, output, force=force, target_accuracy=target_accuracy)
 
 
-def _on_sigterm(signum, frame):  # turn a polite kill into an exception so temporaries are cleaned up
-    raise KeyboardInterrupt
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM, as an exception that unwinds the stages (so temporaries are cleaned up and a replaced
+    output is restored) and that typer does not turn into a silent exit, as it does a KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    raise Interrupted(signum)
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     try:
         app()
     except QerlError as e:
         ui.console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        ui.console.print("[bold red]interrupted:[/] nothing was written to the output.")
-        sys.exit(130)
+    except OSError as e:  # a path that cannot be created or written (permissions, a file where a folder must be)
+        where = f" ({e.filename})" if e.filename else ""
+        ui.console.print(f"[bold red]error:[/] {escape((e.strerror or str(e)) + where)}.", soft_wrap=True)
+        sys.exit(1)
+    except (Interrupted, KeyboardInterrupt) as e:
+        ui.console.print("[bold red]interrupted:[/] outputs that were complete before are unchanged; an interrupted "
+                         "train run continues with --resume.", soft_wrap=True)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ def _read_toml(path: Path) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise QerlError(f"config file {path} does not exist.") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise QerlError(f"config file {path} is not valid TOML ({e}).") from None
+    except OSError as e:
+        raise QerlError(f"config file {path} cannot be read ({e.strerror or e}).") from None
 
 
 def load(stage: str, cls: type[C], config_file: str | Path | None = None, overrides: dict | None = None) -> C:

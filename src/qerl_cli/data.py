@@ -58,7 +58,8 @@ def _load_local(p: Path) -> Records:
                             raise QerlError(f"{p} line {i + 1} is not valid JSON.") from None
         elif suffix == ".json":
             data = json.loads(p.read_text(encoding="utf-8"))
-            rows = data if isinstance(data, list) else data.get("data", data.get("rows"))
+            rows = data if isinstance(data, list) else data.get("data", data.get("rows")) if isinstance(data, dict) \
+                else None
             if not isinstance(rows, list):
                 raise QerlError(f"{p} holds neither a JSON list nor an object with a 'data' list.")
         elif suffix == ".parquet":

@@ -54,8 +54,8 @@ class SamplingConfig:
 
     def __post_init__(self):
         problems = []
-        if self.temperature < 0:
-            problems.append("temperature must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # (NaN fails too)
+            problems.append("temperature must be finite and >= 0")
         if not 0 < self.top_p <= 1:
             problems.append("top_p must be in (0, 1]")
         if self.top_k < 0:

@@ -82,8 +82,9 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
     cfg = config.load("evaluate", EvaluateConfig, config_file, {
         "num_examples": num_examples, "samples": samples, "temperature": temperature, "top_p": top_p,
         "max_new_tokens": max_new_tokens, "sigma": sigma, "seed": seed, "progress": progress, "device": device})
-    split = "heldout" if data_spec.startswith("arith") else cfg.split
-    problems = tasks.load_problems(data_spec, 0 if data_spec.startswith("arith") else cfg.seed,
+    generated = tasks.is_generated(data_spec)
+    split = "heldout" if generated else cfg.split
+    problems = tasks.load_problems(data_spec, 0 if generated else cfg.seed,
                                    cfg.num_examples or None, split)
     if not problems:
         raise QerlError(f"{data_spec} holds no problems.")

@@ -110,8 +110,9 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kw)
         model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kw)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise QerlError(f"could not load model {source.spec}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad model dir
+        first = (str(e).splitlines() or [type(e).__name__])[0].rstrip(": ")
+        raise QerlError(f"could not load model {source.spec}: {first or type(e).__name__}.") from None
     if source.gguf_file:  # the weights are dense now: drop the GGUF quantizer marker so configs save cleanly
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

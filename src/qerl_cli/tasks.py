@@ -155,10 +155,23 @@ def arithmetic_problems(n: int, seed: int, split: str = "train", difficulty: int
     return out
 
 
+def is_generated(spec: str) -> bool:
+    """Whether ``spec`` names the generated arithmetic task (``arith`` or ``arith:N``) rather than a file or
+    dataset (a file may well be called ``arithmetic.jsonl``)."""
+    if spec == "arith":
+        return True
+    if not spec.startswith("arith:"):
+        return False
+    count = spec[len("arith:"):]
+    if not count.isdigit():
+        raise QerlError(f"{spec}: the generated task is 'arith' or 'arith:N' with N a whole number of problems.")
+    return True
+
+
 def load_problems(spec: str, seed: int = 0, n: int | None = None, split: str = "train") -> list[Problem]:
     """``arith[:N]`` (generated, ``split`` train/heldout), or a jsonl/json/parquet file / HF dataset with
     question and answer fields."""
-    if spec.startswith("arith"):
+    if is_generated(spec):
         _, _, count = spec.partition(":")
         k = int(count) if count else (n or 256)
         return arithmetic_problems(k, seed, split)

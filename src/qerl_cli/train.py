@@ -46,6 +46,7 @@ import random
 import resource
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,15 +139,15 @@ class TrainConfig:
             p.append("noise_scope must be 'batch' or 'group'")
         if self.objective not in ("clean", "replay"):
             p.append("objective must be 'clean' or 'replay'")
-        if self.lr <= 0 or self.eps_low < 0 or self.eps_high < 0 or self.max_grad_norm < 0:
-            p.append("lr must be > 0 and eps_low, eps_high, max_grad_norm >= 0")
+        if not (0 < self.lr < math.inf and self.eps_low >= 0 and self.eps_high >= 0 and self.max_grad_norm >= 0):
+            p.append("lr must be finite and > 0 and eps_low, eps_high, max_grad_norm >= 0")  # (NaN fails too)
         if self.sigma_start < 0 or self.sigma_end < 0:
             p.append("sigma_start and sigma_end must be >= 0")
         if self.sigma_stages > 2 and (self.sigma_start == 0) != (self.sigma_end == 0):
             p.append("a geometric sigma schedule needs sigma_start and sigma_end both > 0 (or both 0)")
         if self.time_budget_s < 0 or self.eval_every < 0 or self.eval_problems < 1 or self.eval_temperature < 0:
             p.append("time_budget_s, eval_every and eval_temperature must be >= 0 and eval_problems >= 1")
-        if self.eval_every and not self.eval_task and not self.task.startswith("arith"):
+        if self.eval_every and not self.eval_task and not tasks.is_generated(self.task):
             p.append("eval_every needs eval_task (a held-out dataset) when the task is not the arith generator")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.overlong_buffer < 0:
             p.append("warmup_steps and overlong_buffer must be >= 0 and min_lr_ratio in [0, 1]")
@@ -262,8 +263,42 @@ def _step_dirs(out: Path) -> list[Path]:
     return sorted(p for p in out.glob(names.STEP_DIR_GLOB) if p.is_dir())
 
 
-def _prepare_output(out: Path, key: str, resume: bool, force: bool) -> str:
-    """'cached' (a complete run with this key), 'resume' or 'fresh'; clears what --force replaces."""
+class _Replaced:
+    """The run directory that --force replaces: moved aside, not deleted, until the new run has saved its first
+    checkpoint (or ended); a new run that fails or is interrupted before that gets it back (``restore``)."""
+
+    def __init__(self):
+        self.out: Path | None = None
+        self.old: Path | None = None
+
+    def move_aside(self, out: Path) -> None:
+        self.out, self.old = out, out.parent / f".{out.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(out, self.old)
+
+    def drop(self) -> None:
+        if self.old is not None:
+            shutil.rmtree(self.old, ignore_errors=True)
+            self.old = None
+
+    def restore(self) -> None:
+        if self.old is not None and self.old.exists():
+            if self.out.exists():
+                shutil.rmtree(self.out, ignore_errors=True)
+            os.rename(self.old, self.out)
+            self.old = None
+
+
+def _prepare_output(out: Path, key: str, resume: bool, force: bool, replaced: _Replaced | None = None) -> str:
+    """'cached' (a complete run with this key), 'resume' or 'fresh'; what --force replaces goes aside into
+    ``replaced`` (or is deleted without one)."""
+
+    def clear() -> str:
+        if replaced is not None:
+            replaced.move_aside(out)
+        else:
+            shutil.rmtree(out)
+        return "fresh"
+
     if out.exists() and not out.is_dir():
         raise QerlError(f"output path {out} exists and is not a directory.")
     if not out.exists():
@@ -274,6 +309,8 @@ def _prepare_output(out: Path, key: str, resume: bool, force: bool) -> str:
             manifest = artifact.read_manifest(out)
         except QerlError:
             manifest = None
+            if not artifact.is_qerl_manifest(out):
+                raise artifact.foreign_manifest_error(out) from None
         if manifest is not None and manifest[names.K_KEY] == key and not force:
             problem = artifact.verify_files(out, manifest)
             if problem is None:
@@ -282,12 +319,10 @@ def _prepare_output(out: Path, key: str, resume: bool, force: bool) -> str:
         if not force:
             what = f"a different '{manifest[names.K_KIND]}' artifact" if manifest else "an unreadable artifact"
             raise QerlError(f"{out} already holds {what}; pass --force to replace it or choose another output.")
-        shutil.rmtree(out)
-        return "fresh"
+        return clear()
     if rc.is_file():
         if force:
-            shutil.rmtree(out)
-            return "fresh"
+            return clear()
         try:
             old_key = json.loads(rc.read_text()).get(names.K_KEY)
         except ValueError:
@@ -301,6 +336,25 @@ def _prepare_output(out: Path, key: str, resume: bool, force: bool) -> str:
     if any(out.iterdir()):
         raise QerlError(f"{out} is a non-empty directory that is not a qerl run; choose another output.")
     return "fresh"
+
+
+def _metrics_lines(path: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl; a last line cut short (a run killed while writing it) is dropped,
+    any other bad line is a clear error."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    out = []
+    for i, ln in enumerate(lines):
+        try:
+            rec = json.loads(ln)
+            if not isinstance(rec, dict) or "step" not in rec:
+                raise ValueError("not a metrics record")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                break
+            raise QerlError(f"{path} line {i + 1} is not a metrics record ({e}); the run cannot be resumed, "
+                            "start it over with --force.") from None
+        out.append(rec)
+    return out
 
 
 def _write_json_atomic(path: Path, obj) -> None:
@@ -363,7 +417,7 @@ def heldout_problems(cfg: TrainConfig) -> list[tasks.Problem]:
     """The held-out evaluation problems: ``eval_task`` (a file, or an HF dataset's test split), or the arith
     generator's held-out split (seed 0, the same set for every training seed, disjoint from every training
     split; also for an ``eval_task`` of ``arith[:N]``)."""
-    if cfg.eval_task and not cfg.eval_task.startswith("arith"):
+    if cfg.eval_task and not tasks.is_generated(cfg.eval_task):
         probs = tasks.load_problems(cfg.eval_task, 0, cfg.eval_problems, split="test")  # HF specs: the test split
     else:  # "arith[:N]" means its held-out split here, never training problems
         probs = tasks.arithmetic_problems(cfg.eval_problems, 0, "heldout")
@@ -660,18 +714,32 @@ def _live(m: dict, steps: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the stage
-def train(source: str | Path, output: str | Path, task: str | None = None, steps: int | None = None,
+def train(*args, **kwargs) -> artifact.Artifact | None:
+    """Train a LoRA adapter on ``source`` (a verified packed artifact, or a model for the bf16 baseline); the
+    arguments are ``_train``'s.
+
+    Returns the ``run`` artifact, or None when ``stop_after`` steps were run before the end (the run stays
+    unfinished; continue it with ``resume=True``). A run that --force replaces is restored if the new one fails
+    or is interrupted before its first checkpoint."""
+    replaced = _Replaced()
+    try:
+        result = _train(*args, replaced=replaced, **kwargs)
+    except BaseException:
+        replaced.restore()
+        raise
+    replaced.drop()
+    return result
+
+
+def _train(source: str | Path, output: str | Path, task: str | None = None, steps: int | None = None,
           prompts_per_step: int | None = None, group: int | None = None, max_new_tokens: int | None = None,
           lr: float | None = None, sigma_start: float | None = None, sigma_end: float | None = None,
           sigma_stages: int | None = None, objective: str | None = None, seed: int | None = None,
           save_every: int | None = None, verify_dir: str | Path | None = None, skip_verify: bool = False,
           resume: bool = False, stop_after: int | None = None, config_file: str | Path | None = None,
           force: bool = False, progress: bool = True, device: str | None = None,
-          overrides: dict | None = None) -> artifact.Artifact | None:
-    """Train a LoRA adapter on ``source`` (a verified packed artifact, or a model for the bf16 baseline).
-
-    Returns the ``run`` artifact, or None when ``stop_after`` steps were run before the end (the run stays
-    unfinished; continue it with ``resume=True``)."""
+          overrides: dict | None = None, replaced: _Replaced | None = None) -> artifact.Artifact | None:
+    """``train``'s work; ``replaced`` receives the run directory that --force moves aside."""
     output = Path(output)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -698,7 +766,9 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
     cfg_dict = config.as_dict(cfg)
     key = artifact.cache_key(names.KIND_RUN, cfg_dict, inputs)
 
-    state = _prepare_output(output, key, resume, force) if dist.main else None
+    if dist.main:
+        artifact.check_output_apart(output, inputs)
+    state = _prepare_output(output, key, resume, force, replaced) if dist.main else None
     dist.barrier()
     if not dist.main:
         state = _prepare_output(output, key, True, False) if (output / names.RUN_CONFIG).is_file() or \
@@ -712,7 +782,13 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
     start = 0
     steps_done = _step_dirs(output) if state == "resume" else []
     if steps_done:
-        st = _load_step(steps_done[-1], pm, trainer.opt)
+        try:
+            st = _load_step(steps_done[-1], pm, trainer.opt)
+        except QerlError:
+            raise
+        except Exception as e:  # a checkpoint cut short or damaged (they carry no hashes)
+            raise QerlError(f"the checkpoint {steps_done[-1]} cannot be loaded ({type(e).__name__}: {e}); delete it to "
+                            "resume from the one before, or start over with --force.") from None
         if st["world_size"] != dist.world:
             raise QerlError(f"{output} was trained with {st['world_size']} ranks; resume it with the same number.")
         start, trainer.stream.cursor = st["step"], st["data_cursor"]
@@ -723,8 +799,7 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
         metrics_path = output / names.RUN_METRICS
         if state == "resume" and metrics_path.is_file():  # cut back to the last complete checkpoint
             # (without one, nothing is kept: the step-0 evaluation is redone)
-            lines = [ln for ln in metrics_path.read_text().splitlines() if ln.strip()
-                     and json.loads(ln)["step"] <= start] if start else []
+            lines = [json.dumps(r) for r in _metrics_lines(metrics_path) if r["step"] <= start] if start else []
             tmp = output / f".{names.RUN_METRICS}.tmp-{os.getpid()}"
             tmp.write_text("".join(ln + "\n" for ln in lines))
             os.replace(tmp, metrics_path)
@@ -746,8 +821,8 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
     if start:
         ui.info(f"train: resuming {output} after step {start}")
     # training time so far (summed step times of the kept metrics lines; evaluations not counted)
-    elapsed = sum(json.loads(ln).get("time_step_s", 0.0) for ln in (output / names.RUN_METRICS).read_text()
-                  .splitlines() if ln.strip()) if state == "resume" else 0.0
+    elapsed = sum(r.get("time_step_s", 0.0) for r in _metrics_lines(output / names.RUN_METRICS)) \
+        if state == "resume" else 0.0
 
     def emit(m: dict) -> None:
         if dist.main:
@@ -781,6 +856,8 @@ def train(source: str | Path, output: str | Path, task: str | None = None, steps
         if (s + 1) % cfg.save_every == 0 or final:
             if dist.main:
                 _save_step(output, s + 1, pm, trainer.opt, trainer.stream.cursor, dist.world)
+                if replaced is not None:  # the new run has a checkpoint: the replaced one goes
+                    replaced.drop()
             dist.barrier()
         if over:
             stopped_by = "time_budget"

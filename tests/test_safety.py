@@ -1,0 +1,151 @@
+"""What a user's mistakes or interruptions must not do: lose a run that --force was about to replace, take a
+data file for the generated task, trust a hand-edited verify verdict, or end in silence on a signal."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from qerl_cli import artifact, names, tasks, train
+from qerl_cli.errors import QerlError
+
+
+def _finished_run(out: Path) -> artifact.Artifact:
+    def body(tmp: Path) -> dict:
+        (tmp / "adapter.bin").write_bytes(b"weights")
+        return {}
+
+    return artifact.run_stage(names.KIND_RUN, out, {"steps": 1}, [], body)
+
+
+def test_forced_train_rerun_keeps_the_old_run_until_its_first_checkpoint(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    old = _finished_run(out)
+
+    def failing(output, replaced=None, fail_after_checkpoint=False, **kw):
+        assert train._prepare_output(Path(output), "new-key", False, True, replaced) == "fresh"
+        Path(output).mkdir()
+        (Path(output) / names.RUN_CONFIG).write_text("{}")  # the new run's first files
+        if fail_after_checkpoint:
+            replaced.drop()
+        raise QerlError("the new run failed.")
+
+    monkeypatch.setattr(train, "_train", failing)
+    for interrupt in (False, True):  # a failure, then an interruption, before any checkpoint: the old run is back
+        if interrupt:
+            def interrupted(output, replaced=None, **kw):
+                train._prepare_output(Path(output), "new-key", False, True, replaced)
+                raise KeyboardInterrupt
+            monkeypatch.setattr(train, "_train", interrupted)
+        with pytest.raises((QerlError, KeyboardInterrupt)):
+            train.train(output=out)
+        assert artifact.open_artifact(out, names.KIND_RUN).digest == old.digest
+        assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    monkeypatch.setattr(train, "_train", failing)
+    with pytest.raises(QerlError):  # after a checkpoint the new run stands (resumable) and the old one is gone
+        train.train(output=out, fail_after_checkpoint=True)
+    assert (out / names.RUN_CONFIG).is_file() and not (out / names.MANIFEST).exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_train_refuses_a_foreign_manifest_even_with_force(tmp_path):
+    out = tmp_path / "site"
+    out.mkdir()
+    (out / names.MANIFEST).write_text(json.dumps({"name": "pwa"}))
+    with pytest.raises(QerlError, match="never replaced"):
+        train._prepare_output(out, "k", False, True, train._Replaced())
+    assert (out / names.MANIFEST).is_file()
+
+
+def test_metrics_with_a_cut_last_line_resume_and_bad_middle_lines_are_named(tmp_path):
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n{"step": 2, "a"')
+    assert [r["step"] for r in train._metrics_lines(m)] == [0, 1]
+    m.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(QerlError, match="line 2 is not a metrics record"):
+        train._metrics_lines(m)
+
+
+def test_generated_task_spec_is_exact(tmp_path):
+    assert tasks.is_generated("arith") and tasks.is_generated("arith:16")
+    for spec in ("arithmetic_test.jsonl", "arith.txt", "arith_set", str(tmp_path / "arith:3")):
+        assert not tasks.is_generated(spec)
+    with pytest.raises(QerlError, match="arith:N"):
+        tasks.is_generated("arith:ten")
+    f = tmp_path / "arithmetic_test.jsonl"
+    f.write_text('{"question": "What is 40 + 2?", "answer": "42"}\n{"question": "What is 1 + 1?", "answer": "2"}\n')
+    probs = tasks.load_problems(str(f))
+    assert [p.answer for p in probs] == ["42", "2"]
+
+
+def test_verify_verdict_comes_from_the_hashed_report(tmp_path):
+    """A verify artifact whose manifest says passed while its report (hashed) says failed counts as failed."""
+    from qerl_cli.rollout import verify_passed
+
+    def body(tmp: Path) -> dict:
+        (tmp / names.VERIFY_REPORT).write_text(json.dumps({"passed": False}))
+        return {"passed": True}  # what a hand edit of the manifest would say
+
+    v = artifact.run_stage(names.KIND_VERIFY, tmp_path / "verify", {}, [], body)
+    assert v.metrics["passed"] is True and verify_passed(v) is False
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_ends_with_one_line_and_its_exit_code(tmp_path, sig, code):
+    """Through typer's real dispatch (a command of the real app): the interruption is reported in one line and
+    the exit code is 128 + the signal, not a silent 130."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from qerl_cli import cli
+
+        @cli.app.command("nap")
+        def nap():
+            os.kill(os.getpid(), {int(sig)})
+            time.sleep(30)
+
+        sys.argv = ["qerl", "nap"]
+        cli.main()
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "COLUMNS": "200"})
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    text = (res.stdout + res.stderr).strip()
+    assert "Traceback" not in text and text.startswith("interrupted:") and len(text.splitlines()) == 1, text
+
+
+def test_nan_and_inf_options_are_refused():
+    from qerl_cli.engine import SamplingConfig
+
+    for t in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature must be finite"):
+            SamplingConfig(temperature=t)
+    from qerl_cli import config
+
+    for lr in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(QerlError, match="lr must be finite"):
+            config.load("train", train.TrainConfig, None, {"lr": lr})
+
+
+def test_damaged_adapter_and_scalar_json_data_are_one_sentence(tmp_path):
+    from qerl_cli import adapter, data
+
+    a = tmp_path / "adapter"
+    a.mkdir()
+    (a / adapter.ADAPTER_CONFIG).write_text("{not json")
+    (a / adapter.ADAPTER_WEIGHTS).write_bytes(b"\x00" * 10)
+    with pytest.raises(QerlError, match="not a valid adapter config"):
+        adapter.load_lora(a, None)
+    (a / adapter.ADAPTER_CONFIG).write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    with pytest.raises(QerlError, match="cannot be read"):
+        adapter.load_lora(a, None)
+    f = tmp_path / "rows.json"
+    for payload in ("5", '"hello"'):
+        f.write_text(payload)
+        with pytest.raises(QerlError, match="neither a JSON list"):
+            data.load_records(str(f))
