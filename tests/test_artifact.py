@@ -403,3 +403,14 @@ def test_output_overlapping_an_input_is_refused(tmp_path):
     assert body.calls == 0 and artifact.open_artifact(src.path, "quant").digest == src.digest
     ok = _run(tmp_path / "next", inputs=[src.as_input(tmp_path / "next"), artifact.Input("task", "arith:4", "c" * 64)])
     assert ok.path.is_dir()
+
+
+@pytest.mark.parametrize("change", [{"files": ["payload.txt"]}, {"files": {"a": 1}}, {"files": None},
+                                    {"key": 5}, {"inputs": ["x"]}, {"metrics": None}, {"kind": ["quant"]}])
+def test_manifest_fields_of_the_wrong_type_are_one_sentence(tmp_path, change):
+    out = tmp_path / "art"
+    _run(out)
+    _rewrite_manifest(out, **change)
+    with pytest.raises(QerlError, match="wrong type|unknown|lacks"):
+        artifact.open_artifact(out, "quant")
+    assert _run(out, force=True).manifest[names.K_KIND] == "quant"  # still ours: --force replaces it

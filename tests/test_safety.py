@@ -149,3 +149,11 @@ def test_damaged_adapter_and_scalar_json_data_are_one_sentence(tmp_path):
         f.write_text(payload)
         with pytest.raises(QerlError, match="neither a JSON list"):
             data.load_records(str(f))
+
+
+def test_stop_after_below_one_and_null_fields_are_refused(tmp_path):
+    with pytest.raises(QerlError, match="--stop-after must be at least 1"):
+        train.train("unused-model", tmp_path / "run", stop_after=0)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(QerlError, match="null"):
+        tasks.problems_from_rows([{"question": None, "answer": "1"}])

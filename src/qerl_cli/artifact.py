@@ -135,6 +135,15 @@ def read_manifest(path: Path) -> dict:
     for k in (names.K_KIND, names.K_KEY, names.K_DIGEST, names.K_CONFIG, names.K_FILES):
         if k not in manifest:
             raise QerlError(f"{mf} lacks the required field '{k}'.")
+    files, inputs = manifest[names.K_FILES], manifest.get(names.K_INPUTS, [])
+    ok = (all(isinstance(manifest[k], str) for k in (names.K_KIND, names.K_KEY, names.K_DIGEST))
+          and isinstance(manifest[names.K_CONFIG], dict) and isinstance(manifest.get(names.K_METRICS, {}), dict)
+          and isinstance(files, list) and isinstance(inputs, list)
+          and all(isinstance(f, dict) and isinstance(f.get(names.K_PATH), str) for f in files)
+          and all(isinstance(i, dict) for i in inputs))
+    if not ok:
+        raise QerlError(f"{mf} has fields of the wrong type (kind, key and digest must be strings, config and metrics "
+                        "objects, files and inputs lists of objects); recreate the artifact with --force.")
     return manifest
 
 

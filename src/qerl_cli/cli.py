@@ -267,7 +267,7 @@ def evaluate_cmd(
 
         qerl evaluate smollm2-135m-instruct --data ../shared/data/gsm8k/test.jsonl -n 200 -o out/eval-bf16
 
-        qerl evaluate out/packed --adapter out/run/step-00000100/adapter --data arith:500 -o out/eval-run
+        qerl evaluate out/packed --adapter out/run/step-00000100 --data arith:500 -o out/eval-run
     """
     from .evaluate import evaluate
 

@@ -109,6 +109,8 @@ def problems_from_rows(rows: list[dict], question_field: str = "question", answe
     for i, r in enumerate(rows):
         if question_field not in r or answer_field not in r:
             raise QerlError(f"row {i} lacks the field '{question_field}' or '{answer_field}' (fields: {sorted(r)[:8]}).")
+        if r[question_field] is None or r[answer_field] is None:
+            raise QerlError(f"row {i} has no value (null) in '{question_field}' or '{answer_field}'.")
         out.append(Problem(str(r[question_field]), gold_answer(str(r[answer_field]))))
     return out
 

@@ -145,8 +145,10 @@ class TrainConfig:
             p.append("sigma_start and sigma_end must be >= 0")
         if self.sigma_stages > 2 and (self.sigma_start == 0) != (self.sigma_end == 0):
             p.append("a geometric sigma schedule needs sigma_start and sigma_end both > 0 (or both 0)")
-        if self.time_budget_s < 0 or self.eval_every < 0 or self.eval_problems < 1 or self.eval_temperature < 0:
-            p.append("time_budget_s, eval_every and eval_temperature must be >= 0 and eval_problems >= 1")
+        if not (0 <= self.time_budget_s < math.inf and self.eval_every >= 0 and self.eval_problems >= 1
+                and 0 <= self.eval_temperature < math.inf):  # (NaN fails too)
+            p.append("time_budget_s and eval_temperature must be finite and >= 0, eval_every >= 0 and eval_problems "
+                     ">= 1")
         if self.eval_every and not self.eval_task and not tasks.is_generated(self.task):
             p.append("eval_every needs eval_task (a held-out dataset) when the task is not the arith generator")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.overlong_buffer < 0:
@@ -741,6 +743,8 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
           overrides: dict | None = None, replaced: _Replaced | None = None) -> artifact.Artifact | None:
     """``train``'s work; ``replaced`` receives the run directory that --force moves aside."""
     output = Path(output)
+    if stop_after is not None and stop_after < 1:
+        raise QerlError(f"--stop-after must be at least 1 step, got {stop_after}.")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     world = int(os.environ.get("WORLD_SIZE", "1"))
