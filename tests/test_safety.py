@@ -157,3 +157,14 @@ def test_stop_after_below_one_and_null_fields_are_refused(tmp_path):
     assert not (tmp_path / "run").exists()
     with pytest.raises(QerlError, match="null"):
         tasks.problems_from_rows([{"question": None, "answer": "1"}])
+
+
+def test_prompt_stream_takes_in_epoch_slices_with_the_same_order(tmp_path):
+    """take(k) equals k single takes (the seeded order per epoch, reshuffled each epoch), and a take far larger
+    than the problem set costs one shuffle per epoch, not one per prompt (it used to hang)."""
+    a, b = train.PromptStream(7, 3), train.PromptStream(7, 3)
+    bulk = a.take(23)
+    assert bulk == [a._order(i // 7)[i % 7] for i in range(23)] and a.cursor == 23  # the definition
+    assert [b.take(1)[0] for _ in range(10)] + b.take(13) == bulk and b.cursor == 23
+    assert sorted(bulk[:7]) == list(range(7)) and bulk[:7] != bulk[7:14]  # every epoch a permutation, reshuffled
+    assert len(train.PromptStream(4, 0).take(200_000)) == 200_000

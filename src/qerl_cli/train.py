@@ -188,11 +188,12 @@ class PromptStream:
         return random.Random(f"{self.seed}:{epoch}").sample(range(self.n), self.n)
 
     def take(self, k: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while len(out) < k:
             epoch, at = divmod(self.cursor, self.n)
-            out.append(self._order(epoch)[at])
-            self.cursor += 1
+            m = min(k - len(out), self.n - at)  # the rest of this epoch's order, shuffled once
+            out.extend(self._order(epoch)[at: at + m])
+            self.cursor += m
         return out
 
 
