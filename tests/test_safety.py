@@ -168,3 +168,10 @@ def test_prompt_stream_takes_in_epoch_slices_with_the_same_order(tmp_path):
     assert [b.take(1)[0] for _ in range(10)] + b.take(13) == bulk and b.cursor == 23
     assert sorted(bulk[:7]) == list(range(7)) and bulk[:7] != bulk[7:14]  # every epoch a permutation, reshuffled
     assert len(train.PromptStream(4, 0).take(200_000)) == 200_000
+
+
+def test_a_diverged_adapter_stops_the_run_with_one_sentence():
+    train.check_diverged(3.5, 4, 1e-3)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(QerlError, match="training diverged at step 4"):
+            train.check_diverged(bad, 4, 1e30)

@@ -178,6 +178,14 @@ def _derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
+def check_diverged(adapter_norm: float, step: int, lr: float) -> None:
+    """A clear stop when the adapter is no longer finite (a learning rate far too high): the run stays unfinished,
+    its checkpoints before this step intact, instead of sampling from NaN weights on the next step."""
+    if not math.isfinite(adapter_norm):
+        raise QerlError(f"training diverged at step {step}: the adapter's weights are no longer finite (lr {lr:g}); "
+                        "start the run over with --force and a lower lr.")
+
+
 class PromptStream:
     """Problem indices in a seeded order, reshuffled every epoch; ``cursor`` = prompts consumed so far."""
 
@@ -675,6 +683,7 @@ class Trainer:
         rmean = s["r"] / n
         with torch.no_grad():
             anorm = math.sqrt(sum(float(p.double().pow(2).sum()) for p in self.params))
+        check_diverged(anorm, step + 1, lr)
         time_step = time.perf_counter() - t_step
         m = {
             "step": step + 1, "sigma": sigma, "lr": lr,
