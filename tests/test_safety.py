@@ -86,7 +86,7 @@ def test_generated_task_spec_is_exact(tmp_path):
 
 def test_verify_verdict_comes_from_the_hashed_report(tmp_path):
     """A verify artifact whose manifest says passed while its report (hashed) says failed counts as failed."""
-    from qerl_cli.rollout import verify_passed
+    from qerl_cli.verify import verify_passed
 
     def body(tmp: Path) -> dict:
         (tmp / names.VERIFY_REPORT).write_text(json.dumps({"passed": False}))

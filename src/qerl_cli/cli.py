@@ -136,8 +136,7 @@ def verify_cmd(
 
         qerl verify out/packed -o out/verify
     """
-    from .rollout import verify_passed
-    from .verify import verify
+    from .verify import verify, verify_passed
 
     art = verify(packed, output, against=against, config_file=config, force=force, progress=progress)
     if not verify_passed(art):  # (the hashed report's verdict, also for a cached artifact)

@@ -69,18 +69,11 @@ def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None) -
     v = artifact.open_artifact(cand, names.KIND_VERIFY)
     if not any(i.get(names.K_DIGEST) == packed.digest for i in v.inputs):
         raise QerlError(f"{cand} verified a different pack than {packed.path}; {hint}.")
+    from .verify import verify_passed
+
     if not verify_passed(v):
         raise QerlError(f"{packed.path} failed verification ({cand}); fix the pack before sampling from it.")
     return v
-
-
-def verify_passed(v: artifact.Artifact) -> bool:
-    """The verdict of a verify artifact, from its report (a hashed file: ``open_artifact`` checked it), not from
-    the manifest's metrics, which its digest does not cover."""
-    try:
-        return json.loads(v.file(names.VERIFY_REPORT).read_text()).get("passed") is True
-    except (OSError, ValueError, AttributeError) as e:
-        raise QerlError(f"{v.path}: its {names.VERIFY_REPORT} cannot be read ({e}); rerun verify with --force.") from None
 
 
 def load_policy(source: str | Path, device: str, dtype: torch.dtype | None = None, verify_dir=None,

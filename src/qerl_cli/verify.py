@@ -251,3 +251,12 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
                              force=force)
     print_report(json.loads(art.file(names.VERIFY_REPORT).read_text()))
     return art
+
+
+def verify_passed(v: artifact.Artifact) -> bool:
+    """The verdict of a verify artifact, from its report (a hashed file: ``open_artifact`` checked it), not from
+    the manifest's metrics, which its digest does not cover."""
+    try:
+        return json.loads(v.file(names.VERIFY_REPORT).read_text()).get("passed") is True
+    except (OSError, ValueError, AttributeError) as e:
+        raise QerlError(f"{v.path}: its {names.VERIFY_REPORT} cannot be read ({e}); rerun verify with --force.") from None
