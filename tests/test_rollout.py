@@ -93,6 +93,8 @@ def test_rollout_bad_inputs(pipeline, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     _cli_fails(str(pipeline / "packed"), "--prompts", str(empty), "-o", str(out), match="no", out=out)
+    _cli_fails(str(pipeline / "packed"), "--prompts", "arith:2", "--max-new-tokens", "100000", "-o", str(out),
+               match="max_position_embeddings", out=out)
     ad = tmp_path / "adapter"
     ad.mkdir()
     (ad / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))

@@ -175,3 +175,20 @@ def test_a_diverged_adapter_stops_the_run_with_one_sentence():
     for bad in (float("nan"), float("inf")):
         with pytest.raises(QerlError, match="training diverged at step 4"):
             train.check_diverged(bad, 4, 1e30)
+
+
+@pytest.mark.parametrize("suffix,payload", [
+    (".jsonl", '{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n'),
+    (".json", '[{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]'),
+    (".txt", "first passage\n\nsecond passage\n"),
+])
+def test_utf8_files_with_a_byte_order_mark_read_like_without(tmp_path, suffix, payload):
+    """Editors on Windows save UTF-8 with a BOM; the rows (and the first row's first key) are the same."""
+    from qerl_cli import data
+
+    plain, bom = tmp_path / f"plain{suffix}", tmp_path / f"bom{suffix}"
+    plain.write_text(payload, encoding="utf-8")
+    bom.write_text(payload, encoding="utf-8-sig")
+    assert bom.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert data.load_records(str(bom)).rows == data.load_records(str(plain)).rows
+    assert len(data.load_records(str(bom)).rows) == 2

@@ -49,7 +49,7 @@ def _load_local(p: Path) -> Records:
     try:
         if suffix == ".jsonl":
             rows = []
-            with open(p, encoding="utf-8") as f:
+            with open(p, encoding="utf-8-sig") as f:
                 for i, line in enumerate(f):
                     if line.strip():
                         try:
@@ -57,7 +57,7 @@ def _load_local(p: Path) -> Records:
                         except ValueError:
                             raise QerlError(f"{p} line {i + 1} is not valid JSON.") from None
         elif suffix == ".json":
-            data = json.loads(p.read_text(encoding="utf-8"))
+            data = json.loads(p.read_text(encoding="utf-8-sig"))
             rows = data if isinstance(data, list) else data.get("data", data.get("rows")) if isinstance(data, dict) \
                 else None
             if not isinstance(rows, list):
@@ -69,7 +69,7 @@ def _load_local(p: Path) -> Records:
                 raise QerlError("reading parquet needs pyarrow: pip install pyarrow") from None
             rows = pq.read_table(p).to_pylist()
         else:
-            text = p.read_text(encoding="utf-8")
+            text = p.read_text(encoding="utf-8-sig")
             rows = [{"text": t} for t in text.split("\n\n") if t.strip()]
     except UnicodeDecodeError:
         raise QerlError(f"{p} is not UTF-8 text.") from None

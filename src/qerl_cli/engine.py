@@ -756,6 +756,10 @@ class Engine:
         b, g, t_new = len(prompts), group, sampling.max_new_tokens
         r = b * g
         p_len = max(len(p) for p in prompts)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit and p_len + t_new > limit:
+            raise QerlError(f"the longest prompt ({p_len} tokens) plus max_new_tokens ({t_new}) needs {p_len + t_new} "
+                            f"positions, more than the model's max_position_embeddings ({limit}).")
         slots = p_len + t_new
         ids = torch.full((b, p_len), pad_id, dtype=torch.long)
         pmask = torch.zeros(b, p_len, dtype=torch.bool)
