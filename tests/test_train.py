@@ -127,6 +127,8 @@ def test_resume_continues_exactly(tiny_pipeline, tmp_path, reward):
         train.train(tiny_pipeline["packed"], part, **TINY, overrides=OVR)
     with pytest.raises(QerlError, match="different config"):
         train.train(tiny_pipeline["packed"], part, resume=True, **(TINY | {"lr": 1e-3}), overrides=OVR)
+    with pytest.raises(QerlError, match="unfinished train run .* --resume"):
+        artifact.open_artifact(part, names.KIND_RUN)  # what report and evaluate say about it
     art = train.train(tiny_pipeline["packed"], part, resume=True, **TINY, overrides=OVR)
     assert art is not None and art.kind == names.KIND_RUN
     assert _deterministic(_metrics(part)) == _deterministic(_metrics(full))

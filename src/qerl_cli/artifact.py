@@ -119,6 +119,9 @@ def read_manifest(path: Path) -> dict:
         raise QerlError(f"{path} is not a directory, so it cannot be a qerl artifact.")
     mf = path / names.MANIFEST
     if not mf.is_file():
+        if (path / names.RUN_CONFIG).is_file():
+            raise QerlError(f"{path} is an unfinished train run (it gets its {names.MANIFEST} after its last step): "
+                            "finish it with the same qerl train command plus --resume.")
         raise QerlError(f"{path} is not a qerl artifact: it has no {names.MANIFEST}.")
     try:
         manifest = json.loads(mf.read_text())
