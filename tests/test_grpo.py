@@ -107,4 +107,23 @@ def test_aqn_schedule_endpoints():
 def test_lr_schedule():
     assert grpo.lr_at(0, 10, 1.0, 2) == 0.5 and grpo.lr_at(1, 10, 1.0, 2) == 1.0
     assert grpo.lr_at(2, 10, 1.0, 2) == pytest.approx(1.0)
-    assert grpo.lr_at(9, 10, 1.0, 2, min_lr_ratio=0.1) == pytest.approx(0.1)
+    # cosine over the 8 steps after warm-up, reaching the floor just after the last one
+    assert grpo.lr_at(9, 10, 1.0, 2, min_lr_ratio=0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert [grpo.lr_at(s, 4, 1.0, 0) for s in range(4)] == pytest.approx([1.0, 0.853553, 0.5, 0.146447], abs=1e-6)
+
+
+def test_shaped_rewards_vary_without_mixed_outcomes():
+    """A format reward makes an all-wrong group's rewards unequal (dynamic sampling keeps it, advantages are
+    non-zero) but it has no success: DESIGN's informative-group fraction counts it as not informative."""
+    rewards = torch.tensor([0.1, 0, 0, 0, 1.1, 0, 0, 0, 1.0, 1.0, 1.0, 1.0])
+    correct = torch.tensor([False] * 4 + [True, False, False, False] + [True] * 4)
+    assert grpo.informative_groups(rewards, 4).tolist() == [True, True, False]
+    assert grpo.mixed_outcome_groups(correct, 4).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("steps,stages", [(4, 3), (10, 10), (11, 10), (150, 10), (7, 4)])
+def test_schedule_attains_both_endpoints_whenever_steps_cover_the_stages(steps, stages):
+    sched = grpo.aqn_schedule(steps, 1e-2, 5e-4, stages)
+    assert sched[0] == 0.0 and sched[-1] == pytest.approx(5e-4)
+    assert 1e-2 in sched
+    assert len(set(sched)) == stages  # every stage gets at least one step

@@ -196,12 +196,24 @@ def test_heldout_evaluation_policy(tiny_pipeline, tmp_path, reward, monkeypatch)
 
     def spy(self, prompts, group, sampling, *a, **k):
         seen.append((len(prompts), group, sampling.temperature, self.noise.sigma))
+        if group != 1 and self.noise.sigma > 0:
+            seeds.append(self.noise.seed)
         return generate(self, prompts, group, sampling, *a, **k)
 
+    seeds = []
     monkeypatch.setattr(Engine, "generate", spy)
     kw = TINY | {"steps": 2, "save_every": 2, "sigma_stages": 2, "sigma_start": 0.1, "sigma_end": 0.1}
     train.train(tiny_pipeline["packed"], tmp_path / "run", **kw,
                 overrides=OVR | {"eval_every": 2, "eval_problems": 5, "eval_temperature": 0.0, "temperature": 0.7})
+    # the noise seeds the rollouts used are logged, and the documented formula reproduces them
+    logged = [m for m in _metrics(tmp_path / "run") if "noise_seeds" in m]
+    assert [m["noise_seeds"] for m in logged] == [[], seeds]  # step 1 is stage 0 (sigma 0), step 2 is noisy
+    import hashlib
+    calls = range(0, TINY["prompts_per_step"], OVR["batch_prompts"])
+    seed = json.loads((tmp_path / "run" / names.RUN_CONFIG).read_text())[names.K_CONFIG]["seed"]
+    want = [int.from_bytes(hashlib.sha256(f"{seed}:noise:1:0:{p}".encode()).digest()[:8], "little") >> 1
+            for p in calls]
+    assert seeds == want and len(set(seeds)) == len(seeds) > 1
     evals = [s for s in seen if s[1] == 1]
     rollouts = [s for s in seen if s[1] != 1]
     assert evals and all(t == 0.0 and sigma == 0.0 for _, _, t, sigma in evals)
@@ -210,7 +222,7 @@ def test_heldout_evaluation_policy(tiny_pipeline, tmp_path, reward, monkeypatch)
 
 
 def test_gradient_checkpointing_gives_the_same_training(tiny_pipeline, tmp_path, reward):
-    kw = TINY | {"steps": 2, "save_every": 2}
+    kw = TINY | {"steps": 2, "save_every": 2, "sigma_stages": 2, "sigma_start": 0.05, "sigma_end": 0.05}
     plain = train.train(tiny_pipeline["packed"], tmp_path / "plain", **kw, overrides=OVR)
     ckpt = train.train(tiny_pipeline["packed"], tmp_path / "ckpt", **kw,
                        overrides=OVR | {"gradient_checkpointing": True})
@@ -302,7 +314,7 @@ def test_train_refuses_unverified_and_records_skip(tiny_pipeline, tmp_path, rewa
     with pytest.raises(QerlError, match="has not been verified"):
         train.train(p2, tmp_path / "run", **TINY, overrides=OVR)
     assert not (tmp_path / "run").exists()
-    art = train.train(p2, tmp_path / "run", skip_verify=True, **(TINY | {"steps": 1}), overrides=OVR)
+    art = train.train(p2, tmp_path / "run", skip_verify=True, **(TINY | {"steps": 1, "sigma_stages": 1}), overrides=OVR)
     assert art.config["skip_verify"] is True
     assert "skipped" in json.loads((art.path / names.RUN_CONFIG).read_text())["policy"]["verify"]
     with pytest.raises(QerlError, match="invalid train config"):
@@ -370,7 +382,7 @@ def test_data_parallel_time_budget_stops_every_rank_at_the_same_step(tiny_pipeli
             return step(self, s)
         train.Trainer.step = slow_step
         train.train({str(tiny_pipeline["packed"])!r}, sys.argv[1], task="arith:16", steps=6, prompts_per_step=4,
-                    group=2, max_new_tokens=4, lr=5e-3, save_every=6, progress=False,
+                    group=2, max_new_tokens=4, lr=5e-3, save_every=6, progress=False, sigma_start=0.0, sigma_end=0.0,
                     overrides={{"dynamic_sampling": False, "lora_rank": 4, "lora_alpha": 8.0, "batch_prompts": 2,
                                "time_budget_s": 1.0}})
     '''))
@@ -392,8 +404,9 @@ def test_cli_smollm2_quantize_pack_verify_train(tmp_path):
                  ("verify", str(packed), "-o", str(ver), "--config", str(light))):
         r = run_cli(*args, "--no-progress")
         assert r.returncode == 0, (args, r.stderr[-2000:])
-    r = run_cli("train", str(packed), "--task", "arith", "--steps", "2", "--prompts-per-step", "2", "-G", "2",
-                "--max-new-tokens", "16", "--save-every", "1", "-o", str(run), "--no-progress")
+    r = run_cli("train", str(packed), "--task", "arith", "--steps", "2", "--sigma-stages", "2", "--sigma-end", "1e-2",
+                "--prompts-per-step", "2", "-G", "2", "--max-new-tokens", "16", "--save-every", "1", "-o", str(run),
+                "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step 2/2" in r.stderr
     art = artifact.open_artifact(run, names.KIND_RUN)
@@ -411,3 +424,36 @@ def _tiny_shapes(packed):
     from qerl_cli.packed_model import load_packed_model
 
     return load_packed_model(artifact.open_artifact(packed, names.KIND_PACKED))
+
+
+@pytest.mark.parametrize("ovr,match", [
+    ({"steps": 4, "sigma_stages": 10}, r"steps \(4\) must be >= sigma_stages \(10\)"),
+    ({"sigma_stages": 2, "sigma_start": 0.0, "sigma_end": 0.01}, "both > 0"),
+    ({"sigma_stages": 2, "sigma_start": 0.02, "sigma_end": 0.01}, "single noisy stage"),
+    ({"sigma_stages": 4, "sigma_start": 0.01, "sigma_end": 0.0}, "both > 0"),
+    ({"temperature": 0.0}, "temperature must be > 0 for training"),
+])
+def test_schedules_that_cannot_be_followed_are_refused(ovr, match):
+    from qerl_cli import config
+
+    with pytest.raises(QerlError, match=match):
+        config.load("train", train.TrainConfig, None, ovr)
+
+
+def test_noise_off_with_few_steps_is_accepted():
+    from qerl_cli import config
+
+    cfg = config.load("train", train.TrainConfig, None, {"steps": 2, "sigma_start": 0.0, "sigma_end": 0.0})
+    assert [cfg.sigma(s) for s in range(2)] == [0.0, 0.0]
+
+
+def test_logprob_gap_is_measured_before_the_update_drifts_the_policy(tiny_pipeline, tmp_path, reward):
+    """With several minibatches the later ones are evaluated after optimizer steps; the logged gap is taken before
+    the first, so with no noise (fp32, CPU) it is the sampler/trainer mismatch alone: about zero."""
+    kw = TINY | {"steps": 2, "prompts_per_step": 4, "sigma_start": 0.0, "sigma_end": 0.0, "save_every": 2}
+    art = train.train(tiny_pipeline["packed"], tmp_path / "run", **kw,
+                      overrides=OVR | {"minibatches": 4, "batch_prompts": 2, "lr": 5e-2})
+    ms = _metrics(art.path)
+    assert all(m["optimizer_steps"] == 4 for m in ms)
+    assert all(m["logprob_gap_abs"] < 1e-5 for m in ms), [m["logprob_gap_abs"] for m in ms]
+    assert ms[-1]["lr"] > 0 and ms[-1]["adapter_norm"] != ms[0]["adapter_norm"]  # the policy moved in each step

@@ -18,9 +18,17 @@ AGGREGATIONS = ("token", "sequence")
 
 # ------------------------------------------------------------------------------------------ advantages
 def informative_groups(rewards: torch.Tensor, group: int) -> torch.Tensor:
-    """``[B]`` bool: the group's rewards are not all equal (it carries a learning signal)."""
+    """``[B]`` bool: the group's rewards are not all equal (it carries a learning signal; what dynamic sampling
+    keeps). With shaping (format reward, overlong penalty) an all-wrong group can qualify: see
+    :func:`mixed_outcome_groups` for the success/failure view."""
     r = rewards.reshape(-1, group)
     return r.max(1).values != r.min(1).values
+
+
+def mixed_outcome_groups(correct: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B]`` bool: the group holds both a correct and a not-correct sample (DESIGN's informative group)."""
+    c = correct.reshape(-1, group).bool()
+    return c.any(1) & ~c.all(1)
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group", eps: float = 1e-6,
@@ -146,9 +154,10 @@ def aqn_schedule(total_steps: int, sigma_start: float, sigma_end: float, stages:
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:
     """Linear warm-up over ``warmup_steps`` (0-based ``step``: the first step uses ``lr / warmup``), then
-    cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    cosine decay towards ``lr * min_lr_ratio``, reached just after the last step (as HF's cosine schedule):
+    the last step still learns, so its rollout is not spent at lr 0."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    rest = max(total_steps - warmup_steps - 1, 1)
+    rest = max(total_steps - warmup_steps, 1)
     progress = min(max(step - warmup_steps, 0) / rest, 1.0)
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -61,7 +61,13 @@ NONDETERMINISTIC_METRICS = ("time_", "tokens_per_s", "peak_")
 ENTROPY_DEFINITION = ("entropy: Monte Carlo estimate of the per-token entropy of the sampling distribution, "
                       "-mean(behaviour log-prob) over generated tokens")
 GAP_DEFINITION = ("logprob_gap_abs / logprob_gap_mean: mean |logp_train - logp_behaviour| and mean "
-                  "(logp_train - logp_behaviour) over generated tokens, in the first pass over the step's data")
+                  "(logp_train - logp_behaviour) over the generated tokens of the step's first minibatch (all of "
+                  "its data when minibatches = 1), evaluated before any optimizer step, so the gap is the "
+                  "sampler/trainer mismatch (noise, kernels, truncation) and never the update's own drift")
+NOISE_SEEDS_DEFINITION = ("noise_seeds in metrics.jsonl: one per engine call of the step (rounds in order, then "
+                          "by the call's first prompt position over all ranks), each int.from_bytes(sha256("
+                          "f'{seed}:noise:{step - 1}:{round}:{first prompt position}').digest()[:8], 'little') >> 1 "
+                          "(step as logged, counting from 1; empty when sigma = 0)")
 
 
 @dataclass
@@ -143,8 +149,16 @@ class TrainConfig:
             p.append("lr must be finite and > 0 and eps_low, eps_high, max_grad_norm >= 0")  # (NaN fails too)
         if self.sigma_start < 0 or self.sigma_end < 0:
             p.append("sigma_start and sigma_end must be >= 0")
-        if self.sigma_stages > 2 and (self.sigma_start == 0) != (self.sigma_end == 0):
-            p.append("a geometric sigma schedule needs sigma_start and sigma_end both > 0 (or both 0)")
+        noisy = self.sigma_stages >= 2 and (self.sigma_start > 0 or self.sigma_end > 0)
+        if noisy and (self.sigma_start == 0) != (self.sigma_end == 0):
+            p.append("an AQN schedule needs sigma_start and sigma_end both > 0 (or both 0 for no noise)")
+        elif noisy and self.sigma_stages == 2 and self.sigma_start != self.sigma_end:
+            p.append("sigma_stages = 2 has a single noisy stage, so sigma_end must equal sigma_start (or use >= 3 "
+                     "stages for a geometric schedule)")
+        if noisy and self.steps < self.sigma_stages:
+            p.append(f"steps ({self.steps}) must be >= sigma_stages ({self.sigma_stages}) so that every AQN stage, "
+                     "sigma_start and sigma_end included, gets a step (lower sigma_stages, or turn AQN off with "
+                     "sigma_start = sigma_end = 0)")
         if not (0 <= self.time_budget_s < math.inf and self.eval_every >= 0 and self.eval_problems >= 1
                 and 0 <= self.eval_temperature < math.inf):  # (NaN fails too)
             p.append("time_budget_s and eval_temperature must be finite and >= 0, eval_every >= 0 and eval_problems "
@@ -155,6 +169,9 @@ class TrainConfig:
             p.append("warmup_steps and overlong_buffer must be >= 0 and min_lr_ratio in [0, 1]")
         if not self.lora_targets:
             p.append("lora_targets must name at least one projection")
+        if self.temperature == 0:
+            p.append("temperature must be > 0 for training: greedy samples of a group are identical (no advantage) "
+                     "and have no sampling distribution for the importance ratio")
         try:
             self.sampling()
         except ValueError as e:
@@ -501,6 +518,13 @@ class Trainer:
                 break
         return kept, sampled, done_rounds
 
+    def noise_seeds(self, step: int, rounds: int) -> list[int]:
+        """The noise seed of every engine call of ``step`` on every rank (NOISE_SEEDS_DEFINITION), as sample() draws
+        them: round by round, then by the call's first prompt position."""
+        per_rank = self.cfg.prompts_per_step // self.dist.world
+        starts = [k * per_rank + c for k in range(self.dist.world) for c in range(0, per_rank, self.cfg.batch_prompts)]
+        return [_derive_seed(self.cfg.seed, "noise", step, rnd, p) for rnd in range(rounds) for p in starts]
+
     # ---------------------------------------------------------------- training forward
     def logprobs(self, part: list[Group], sigma: float) -> torch.Tensor:
         cfg, eng = self.cfg, self.engine
@@ -599,7 +623,9 @@ class Trainer:
             "wrong": statuses.count(tasks.WRONG),
             "truncated": sum(int(x.truncated.sum()) for x in sampled), "tokens": float(gen_mask.sum()),
             "neg_blp": -blp_sum,
-            "informative": sum(bool(grpo.informative_groups(x.rewards, G)[0]) for x in sampled),
+            "informative": sum(bool(grpo.mixed_outcome_groups(
+                torch.tensor([st == tasks.CORRECT for st in x.statuses]), G)[0]) for x in sampled),
+            "reward_varied": sum(bool(grpo.informative_groups(x.rewards, G)[0]) for x in sampled),
             "kept": len(kept), "kept_rows": len(kept) * G,
             "kept_r": float(sum(x.rewards.sum() for x in kept)) if kept else 0.0,
             "kept_r2": float(sum((x.rewards.double() ** 2).sum() for x in kept)) if kept else 0.0,
@@ -655,7 +681,7 @@ class Trainer:
                     acc["clip_high"] += st["clip_high"]
                     if st["tokens"]:
                         rmin, rmax = min(rmin, st["ratio_min"]), max(rmax, st["ratio_max"])
-                    if it == 0:
+                    if not grad_norms:  # before the first optimizer step of this step
                         d = (logp.detach() - blp)[cmask]
                         acc["gap_abs"] += float(d.abs().sum())
                         acc["gap"] += float(d.sum())
@@ -686,9 +712,10 @@ class Trainer:
         check_diverged(anorm, step + 1, lr)
         time_step = time.perf_counter() - t_step
         m = {
-            "step": step + 1, "sigma": sigma, "lr": lr,
+            "step": step + 1, "sigma": sigma, "lr": lr, "noise_seeds": self.noise_seeds(step, rounds) if sigma else [],
             "reward_mean": rmean, "reward_std": math.sqrt(max(s["r2"] / n - rmean ** 2, 0.0)),
             "accuracy": s["correct"] / n, "informative_fraction": s["informative"] / max(s["groups"], 1),
+            "reward_varied_fraction": s["reward_varied"] / max(s["groups"], 1),
             "groups_sampled": int(s["groups"]), "groups_trained": int(s["kept"]), "sampling_rounds": rounds,
             "response_length_mean": s["tokens"] / n, "truncation_rate": s["truncated"] / n,
             "parse_failure_rate": s["unparsable"] / n, "wrong_rate": s["wrong"] / n,
@@ -827,7 +854,7 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
                                 "logprob_gap": GAP_DEFINITION,
                                 "objective": {"clean": "training forward without noise (deployment policy)",
                                               "replay": "training forward redraws the rollout's noise"}[cfg.objective],
-                                "noise_seeds": "sha256(seed:noise:step:round:first prompt position of the call)",
+                                "noise_seeds": NOISE_SEEDS_DEFINITION,
                                 "sampling_seeds": "sha256(seed:sample:step:round:first prompt position of the call)"},
                 "started": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             })
