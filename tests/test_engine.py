@@ -474,3 +474,64 @@ def test_fused_kernels_failed_build_warns_and_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="fused kernels did not build.*nvcc: not found"):
         assert not fused.available()
     assert "nvcc: not found" in fused.build_error()
+
+
+def test_small_noise_survives_a_bf16_model(packed_dir):
+    """On a bf16 model a draw of sigma 5e-4 rounded into bf16 scales would mostly vanish (a unit in the last place
+    is 2^-7 at 1): the noisy scales stay fp32, so the perturbation has std sigma and reaches the output, which
+    stays bf16."""
+    m = packed_model.load_packed_model(artifact.open_artifact(packed_dir / "packed", names.KIND_PACKED),
+                                       dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # trained-like scales (a random model's are all 1)
+        for layer in m.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.copy_(1 + 0.2 * torch.randn(norm.weight.shape, generator=g))
+    eng = Engine(m)
+    sigma = 5e-4
+    eng.set_noise(sigma, 3)
+    devs, lost = [], []
+    for noisy, clean, div in zip(eng.effective_norm_weights(), eng.clean, eng.noise_divisor):
+        for t in noisy:
+            assert noisy[t].dtype == torch.float32 and clean[t].dtype == torch.bfloat16
+            d = noisy[t] - clean[t].float()
+            devs.append(d * div[t] if div[t] is not None else d)  # sigma is on the unfolded scales
+            lost.append(noisy[t].to(torch.bfloat16) == clean[t])
+    dev = torch.cat(devs)
+    assert abs(float(dev.std()) - sigma) < 0.15 * sigma
+    assert float(torch.cat(lost).float().mean()) > 0.5  # what rounding the draw into bf16 would have erased
+    # the norm's output (bf16) carries it: elements near a rounding boundary flip, as many as the draw moves
+    # across one; with the draw rounded into bf16 scales far fewer do
+    from qerl_cli import engine as E
+
+    h = torch.randn(256, m.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w, c = eng.effective_norm_weights()[0]["input_layernorm"], eng.clean[0]["input_layernorm"]
+    clean_x = E._rms_norm(h, c, eng.eps)
+    flips = float((E._rms_norm(h, w, eng.eps) != clean_x).float().mean())
+    flips_rounded = float((E._rms_norm(h, w.to(torch.bfloat16), eng.eps) != clean_x).float().mean())
+    assert E._rms_norm(h, w, eng.eps).dtype == torch.bfloat16
+    assert flips > 0.02 and flips > 2 * flips_rounded, (flips, flips_rounded)
+    ids = torch.tensor([PROMPTS[0]])
+    key, pos = torch.ones_like(ids, dtype=torch.bool), torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        assert eng.forward(ids, pos, key, hidden_only=True).dtype == torch.bfloat16
+
+
+def test_fused_add_norm_takes_fp32_scales_through_torch_ops():
+    """fused.add_norm with fp32 (noisy) scales never rounds them to bf16 and rounds its output as the kernel does
+    (this path needs no CUDA)."""
+    from qerl_cli import fused
+
+    g = torch.Generator().manual_seed(0)
+    h, d = (torch.randn(3, 5, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    w = 1 + 1e-3 * torch.randn(3, 1, 64, generator=g)  # per-row fp32 scales, off the bf16 grid
+    s, x = fused.add_norm(h, d, w, 1e-5)
+    assert torch.equal(s, h + d) and x.dtype == torch.bfloat16
+    f = (h + d).float()
+    want = (w * f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(x, want)
+    _, x_rounded = fused._add_norm_torch(h, d, w.to(torch.bfloat16), 1e-5)
+    assert not torch.equal(x, x_rounded)
+    s0, x0 = fused.add_norm(h, None, w, 1e-5)
+    assert s0 is h and torch.equal(x0, (w * h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5))
+                                    .to(torch.bfloat16))

@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from qerl_cli import kernel, names, rollout, train

@@ -68,7 +68,9 @@ class SamplingConfig:
 
 @dataclass
 class NoiseState:
-    """One AQN draw: z ~ N(0, sigma^2) added to the clean RMSNorm scales (never accumulated)."""
+    """One AQN draw: z ~ N(0, sigma^2) added to the clean RMSNorm scales (never accumulated). The noisy scales
+    are kept in fp32 whatever the model's dtype: in bf16 (a unit in the last place is 2^-7 at 1) most draws of
+    sigma <= 2e-3 would round back to the clean scale, and the logged sigma would overstate the noise."""
 
     sigma: float = 0.0
     seed: int = 0
@@ -78,6 +80,7 @@ class NoiseState:
     # sigma is defined on the model's original (unfolded) norm scales: on an AWQ-folded model (scale w / s)
     # each draw is divided by s, so a given sigma perturbs the model function the same with or without AWQ
     space: str = "unfolded norm scales"
+    dtype: str = "float32"  # of the noisy scales; the norm's product with them is rounded to the model's dtype
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -107,10 +110,13 @@ class RolloutBatch:
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm (normalize in fp32, round to the input's dtype, times ``w``); fp32 (noisy) scales on a bf16
+    input multiply in fp32 and round the product once to the input's dtype."""
     dt = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(dt)
+    y = w * h.to(dt)
+    return y if y.dtype == dt else y.to(dt)
 
 
 def _rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,7 +135,7 @@ def _rms_norm_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     # (under autocast rms_norm runs in fp32 and returns fp32: back to the input dtype, as _rms_norm rounds)
     if w.dim() == 1 and w.dtype == x.dtype:
         return F.rms_norm(x, (x.shape[-1],), w, eps=eps).to(x.dtype)
-    return w * F.rms_norm(x, (x.shape[-1],), eps=eps).to(x.dtype)
+    return (w * F.rms_norm(x, (x.shape[-1],), eps=eps).to(x.dtype)).to(x.dtype)  # (fp32 noisy w: one rounding)
 
 
 def _add_then(norm):
@@ -473,7 +479,7 @@ class Engine:
                 z = torch.randn(shape, generator=g, dtype=torch.float32) * sigma
                 if div[t] is not None:  # AWQ-folded scale w / s: the same draw on w, folded
                     z = z / div[t]
-                v = (w.float().cpu() + z).to(self.device, w.dtype)
+                v = (w.float().cpu() + z).to(self.device)  # fp32: see NoiseState
                 if scope == "group":
                     v = v.repeat_interleave(group_size, dim=0).unsqueeze(1)  # [R, 1, H]
                 d[t] = v

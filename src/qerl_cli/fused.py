@@ -3,7 +3,8 @@
 The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else torch's ops run):
 
 * ``add_norm(h, d, w, eps)`` -> ``(h + d, rmsnorm(h + d) * w)`` in one kernel (``d`` may be None: norm only);
-  ``w`` is ``[H]`` or one row per group of rows (``[R, 1, H]``, AQN's per-prompt-group noise);
+  ``w`` is ``[H]`` or one row per group of rows (``[R, 1, H]``, AQN's per-prompt-group noise); fp32 (AQN-noisy)
+  scales go through torch ops with the kernel's rounding (the kernel reads bf16 scales);
 * ``silu_mul(g, u)`` -> ``silu(g) * u`` on the strided halves of a fused gate/up output, one kernel;
 * ``rope_kv(y, cos, sin, kc, vc, slot0, n_heads)`` -> q with rotary applied ``[B, H, T, D]``; k (rotary
   applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
@@ -74,6 +75,8 @@ def build_error() -> str | None:
 def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h + d, rmsnorm(h + d) * w)`` for ``h, d [..., H]``; ``w`` ``[H]`` or ``[R, 1, H]`` with ``h`` ``[R, T, H]``."""
+    if w.dtype != h.dtype:  # fp32 (AQN-noisy) scales: torch ops, rounding as the kernel does
+        return _add_norm_torch(h, d, w, eps)
     width = h.shape[-1]
     h2 = h.reshape(-1, width)
     rows_per_w = 1
@@ -90,6 +93,16 @@ def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: floa
     s = torch.empty_like(h2)
     _load().add_rmsnorm(h2.contiguous(), d.reshape(-1, width).contiguous(), w2, rows_per_w, s, x, eps)
     return s.view(h.shape), x.view(h.shape)
+
+
+def _add_norm_torch(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_norm`` in torch ops for scales of another dtype than ``h`` (the kernel reads bf16 scales only):
+    ``s = h + d`` rounded to ``h``'s dtype, ``x = round(float(w) * rstd * float(s))`` as the kernel rounds."""
+    s = h if d is None else h + d
+    f = s.float()
+    x = (w.float() * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps))).to(h.dtype)
+    return s, x
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ only vLLM's public API: the NVFP4 checkpoint from ``quantize`` (which vLLM serve
 on Hopper), a ``LoRARequest`` for the adapter, ``SamplingParams(logprobs=0)`` with
 ``logprobs_mode="processed_logprobs"`` so the recorded log-prob is that of the distribution actually sampled
 from (after temperature / top-k / top-p), and ``LLM.apply_model`` to put the AQN draw on vLLM's own RMSNorm
-modules (from a clean snapshot every time, as our engine does).
+modules (from a clean snapshot every time, as our engine does). Unlike our engine, which keeps noisy scales in
+fp32, vLLM's RMSNorm holds bf16 scales: there a draw much below one unit in the last place (2^-7 at 1) rounds
+back to the clean scale, so small sigmas of the schedule's tail perturb little or nothing.
 """
 
 from __future__ import annotations
