@@ -535,3 +535,33 @@ def test_fused_add_norm_takes_fp32_scales_through_torch_ops():
     s0, x0 = fused.add_norm(h, None, w, 1e-5)
     assert s0 is h and torch.equal(x0, (w * h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5))
                                     .to(torch.bfloat16))
+
+
+def test_sliding_window_attention_matches_hf_mistral():
+    """A Mistral whose window is shorter than the sequence: keys further back than the window are masked, as in
+    HF (teacher-forced and sampled log-probs agree with HF's forward of each unpadded sequence)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    conf = MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, sliding_window=4, initializer_range=0.2,
+                         attn_implementation="eager")
+    m = MistralForCausalLM(conf).eval()
+    prompts = [[5, 17, 33, 2, 99, 41, 7, 8, 120], [3, 4, 250]]
+    eng = Engine(m)
+    assert eng.window == 4
+    b = eng.generate(prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=8), 0, set(), 0)
+    for r in range(b.rows):
+        p = prompts[r // 2]
+        seq = torch.tensor([p + b.completion_ids[r].tolist()])
+        with torch.no_grad():
+            lp = torch.log_softmax(m(seq).logits[0, len(p) - 1:-1].float(), -1)
+        ref = lp.gather(-1, b.completion_ids[r][:, None]).squeeze(-1)
+        torch.testing.assert_close(b.behaviour_logprobs[r], ref, rtol=1e-4, atol=1e-4)
+    full = Engine(m)
+    full.window = None  # the same weights attending to everything: a different function, so the test has teeth
+    with torch.no_grad():
+        a = eng.sequence_logprobs(prompts, b.completion_ids, b.completion_mask, 1.0, 0, group=2)
+        c = full.sequence_logprobs(prompts, b.completion_ids, b.completion_mask, 1.0, 0, group=2)
+    torch.testing.assert_close(a, b.behaviour_logprobs, rtol=1e-4, atol=1e-4)
+    assert (a - c).abs().max() > 1e-2

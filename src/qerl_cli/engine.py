@@ -109,6 +109,20 @@ class RolloutBatch:
         return self.completion_mask.sum(1)
 
 
+def _sliding_window(config) -> int | None:
+    """The attention window of a model whose layers all use sliding-window attention (Mistral), None for full
+    attention (Llama; Qwen2 unless ``use_sliding_window``). Mixed layer types are refused."""
+    w = getattr(config, "sliding_window", None)
+    if not w or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+    if types == {"full_attention"}:
+        return None
+    if types != {"sliding_attention"}:
+        raise QerlError(f"the rollout engine does not support models that mix attention types per layer ({sorted(types)}).")
+    return int(w)
+
+
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm (normalize in fp32, round to the input's dtype, times ``w``); fp32 (noisy) scales on a bf16
     input multiply in fp32 and round the product once to the input's dtype."""
@@ -399,6 +413,7 @@ class Engine:
         self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
         self.eps = c.rms_norm_eps
+        self.window = _sliding_window(c)  # keys more than this many positions back are not attended to
         self.layers = list(model.model.layers)
         self.embed = model.model.embed_tokens
         self.final_norm = model.model.norm.weight.detach()
@@ -561,6 +576,8 @@ class Engine:
         slots = torch.arange(s_len, device=ids.device)
         qpos = base + torch.arange(t, device=ids.device)
         causal = slots[None, :] <= qpos[:, None]
+        if self.window is not None:  # (a row's slots and positions differ by its left padding only)
+            causal = causal & (qpos[:, None] - slots[None, :] < self.window)
         # every query also sees its own slot: a left-padding query would otherwise see nothing (NaN); real
         # queries see their own slot anyway
         mask = (causal[None, None] & key_mask[:, None, None, :]) | (slots[None, :] == qpos[:, None])[None, None]
