@@ -236,3 +236,10 @@ def test_report_mean_at_k_pairs_and_arms_over_seeds(tmp_path):
     y = _fake_eval(tmp_path / "y" / "eval", [False, True, False, True], k=1)
     (p,) = json.loads(report.report([x, y], tmp_path / "rep2").file(names.REPORT_JSON).read_text())["paired"]
     assert (p["baseline_only_correct"], p["other_only_correct"], p["mcnemar_exact_p"]) == (1, 1, 1.0)
+
+
+def test_num_examples_truncates_generated_task(packed, tmp_path):
+    a = evaluate.evaluate(packed / "packed", "arith:20", tmp_path / "e", num_examples=2, max_new_tokens=2,
+                          progress=False)
+    s = json.loads(a.file(names.EVAL_SUMMARY).read_text())
+    assert s["examples"] == 2 and len(a.file(names.EVAL_EXAMPLES).read_text().splitlines()) == 2

@@ -176,3 +176,15 @@ def test_arithmetic_heldout_split_is_disjoint_from_training():
     assert {p.question.split()[0] for p in held} >= {"What"}  # add/mul kinds present in held-out too
     with pytest.raises(QerlError, match="splits"):
         tasks.arithmetic_problems(5, 0, split="test")
+
+
+def test_num_problems_truncates_generated_tasks_too():
+    """The first N problems of arith:M (N < M) for evaluate's --num-examples and rollout's --num-prompts alike:
+    load_problems is the one place that truncates, files and generated tasks the same way."""
+    full = tasks.load_problems("arith:20", 0, None, "heldout")
+    assert len(full) == 20
+    assert tasks.load_problems("arith:20", 0, 5, "heldout") == full[:5]
+    assert tasks.load_problems("arith:3", 0, 5, "heldout") == full[:3]  # N > M: all M
+    assert len(tasks.load_problems("arith", 0, 7)) == 7  # no :M: N is the pool size
+    gsm = str(SHARED_DATA / "gsm8k" / "test.jsonl")
+    assert len(tasks.load_problems(gsm, 0, 2)) == 2

@@ -164,10 +164,8 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     else:
         from . import data
 
-        texts = [data.row_text(r, ["prompt"], tok) for r in data.load_records(prompts).rows]
-    if cfg.num_prompts:
-        texts = texts[: cfg.num_prompts]
-        problems = problems[: cfg.num_prompts] if problems is not None else None
+        rows = data.load_records(prompts).rows[: cfg.num_prompts or None]
+        texts = [data.row_text(r, ["prompt"], tok) for r in rows]
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]

@@ -171,11 +171,15 @@ def is_generated(spec: str) -> bool:
 
 
 def load_problems(spec: str, seed: int = 0, n: int | None = None, split: str = "train") -> list[Problem]:
-    """``arith[:N]`` (generated, ``split`` train/heldout), or a jsonl/json/parquet file / HF dataset with
-    question and answer fields."""
+    """``arith[:M]`` (generated, ``split`` train/heldout), or a jsonl/json/parquet file / HF dataset with
+    question and answer fields. ``n`` (None/0 = all): the first ``n`` problems, for files and ``arith:M`` alike
+    (``arith:M`` with ``n`` < M gives the first ``n`` of its M problems); plain ``arith`` generates ``n`` (256
+    without ``n``). This is the one place that truncates (rollout's --num-prompts, evaluate's --num-examples)."""
     if is_generated(spec):
         _, _, count = spec.partition(":")
         k = int(count) if count else (n or 256)
+        if n:  # the generator draws problem by problem: the first n of arith:M are arith:n's
+            k = min(k, n)
         return arithmetic_problems(k, seed, split)
     from . import data
 
