@@ -260,7 +260,9 @@ def evaluate_cmd(
     force: Force = False,
     progress: Progress = True,
 ) -> None:
-    """Accuracy of a declared deployment policy, per example, with a 95% Wilson interval (an `eval` artifact).
+    """Accuracy of a declared deployment policy, per example, with a 95% Wilson interval (an `eval` artifact);
+    with -k > 1 (mean@k) the Wilson interval is taken at the effective sample size p(1-p)n/s^2 of the
+    per-example scores, clamped to [n, nk] (n when p is 0 or 1), as the k samples of a problem are correlated.
 
     Examples:
 

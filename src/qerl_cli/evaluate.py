@@ -137,7 +137,7 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         n = len(per_example)
         correct_all = sum(x["correct"] for e in per_example for x in e["samples"])
         acc = correct_all / (n * cfg.samples)
-        (lo, hi), ci_method = stats.accuracy_ci([e["correct"] for e in per_example])
+        (lo, hi), ci_method = stats.accuracy_ci([e["correct"] for e in per_example], k=cfg.samples)
         flat = [x for e in per_example for x in e["samples"]]
         summary = {"dataset": data_spec, "dataset_id": dataset_id, "examples": n, "samples_per_example": cfg.samples,
                    "accuracy": acc, "accuracy_ci95": [lo, hi], "ci_method": ci_method,
