@@ -188,3 +188,17 @@ def test_num_problems_truncates_generated_tasks_too():
     assert len(tasks.load_problems("arith", 0, 7)) == 7  # no :M: N is the pool size
     gsm = str(SHARED_DATA / "gsm8k" / "test.jsonl")
     assert len(tasks.load_problems(gsm, 0, 2)) == 2
+
+
+def test_plain_text_prompt_file(pipeline, tmp_path):
+    """A .txt prompts file: one prompt per blank-line-separated block (as data.py reads .txt), not scored."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("Say hello.\n\nCount to three,\nslowly.\n\n\nName a colour.\n")
+    art = rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", group=2, max_new_tokens=4, seed=0,
+                          progress=False)
+    rows = [json.loads(line) for line in art.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
+    assert [r["prompt_text"] for r in rows[::2]] == ["Say hello.", "Count to three,\nslowly.", "Name a colour."]
+    assert "reward" not in rows[0] and "rewards" not in load_file(str(art.file(names.ROLLOUT_TENSORS)))
+    one = rollout.rollout(pipeline / "packed", str(f), tmp_path / "one", group=1, max_new_tokens=4, num_prompts=1,
+                          progress=False)
+    assert len(one.file(names.ROLLOUT_SAMPLES).read_text().splitlines()) == 1

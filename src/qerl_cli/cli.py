@@ -151,7 +151,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 def rollout_cmd(
     source: Annotated[str, typer.Argument(help="packed artifact (NVFP4), or a model (HF dir, .gguf, 'smollm2-135m-instruct') for the bf16 baseline.")],
     output: Output,
-    prompts: Annotated[str, typer.Option("--prompts", help="jsonl/json/parquet with question+answer (rewards) or prompt fields, or arith:N.")],
+    prompts: Annotated[str, typer.Option("--prompts", help="jsonl/json/parquet with question+answer fields (scored: rewards) or a prompt field, a .txt file (one prompt per blank-line-separated block; not scored), or arith:N.")],
     group: Annotated[Optional[int], typer.Option("--group", "-G", help="Completions per prompt.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Token limit per completion.")] = None,
     adapter: Annotated[Optional[Path], typer.Option("--adapter", help="LoRA adapter directory (PEFT format).")] = None,

@@ -126,6 +126,27 @@ def score_batch(batch: RolloutBatch, tok, problems: list[tasks.Problem] | None, 
     return rows
 
 
+def load_prompts(spec: str, seed: int, n: int, tok) -> tuple[list[str], list[tasks.Problem] | None]:
+    """(prompt texts, problems or None) of ``spec``, the first ``n`` (0 = all). Problems (scored): ``arith[:M]``
+    or a jsonl/json/parquet file / HF dataset with question and answer fields. Unscored prompts: rows with a
+    ``prompt`` field, or a ``.txt`` file with one prompt per blank-line-separated block (surrounding white
+    space dropped)."""
+    from . import data
+
+    txt = not tasks.is_generated(spec) and Path(spec).suffix.lower() == ".txt"
+    if not txt:
+        try:
+            problems = tasks.load_problems(spec, seed, n or None)
+            return [p.question for p in problems], problems
+        except QerlError as e:
+            if "lacks the field" not in str(e):
+                raise
+    rows = data.load_records(spec).rows[: n or None]
+    if txt:
+        return [r["text"].strip() for r in rows], None
+    return [data.row_text(r, ["prompt"], tok) for r in rows], None
+
+
 def rollout(source: str | Path, prompts: str, output: str | Path, group: int | None = None,
             max_new_tokens: int | None = None, adapter: str | Path | None = None, sigma: float | None = None,
             seed: int | None = None, temperature: float | None = None, top_p: float | None = None,
@@ -152,20 +173,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         vllm_engine = vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
     model, tok, input_arts, info = load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
     modelio.fix_tokenizer(tok)
-    problems = None
-    if tasks.is_generated(prompts) or not prompts.endswith(".txt"):
-        try:
-            problems = tasks.load_problems(prompts, cfg.seed, cfg.num_prompts or None)
-        except QerlError as e:
-            if "lacks the field" not in str(e):
-                raise
-    if problems is not None:
-        texts = [p.question for p in problems]
-    else:
-        from . import data
-
-        rows = data.load_records(prompts).rows[: cfg.num_prompts or None]
-        texts = [data.row_text(r, ["prompt"], tok) for r in rows]
+    texts, problems = load_prompts(prompts, cfg.seed, cfg.num_prompts, tok)
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
