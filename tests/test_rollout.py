@@ -202,3 +202,21 @@ def test_plain_text_prompt_file(pipeline, tmp_path):
     one = rollout.rollout(pipeline / "packed", str(f), tmp_path / "one", group=1, max_new_tokens=4, num_prompts=1,
                           progress=False)
     assert len(one.file(names.ROLLOUT_SAMPLES).read_text().splitlines()) == 1
+
+
+def test_cache_key_covers_gold_answers(pipeline, tmp_path):
+    """Rewards depend on the gold answers (and the verifier), not only the questions: a prompts file whose
+    answers changed is a different rollout, never a cached one with stale rewards."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                         for i in range(2)))
+    kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
+    a = rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", **kw)
+    f.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 7}"}) + "\n"
+                         for i in range(2)))
+    with pytest.raises(QerlError, match="different 'rollout' artifact"):
+        rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", **kw)
+    b = rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", force=True, **kw)
+    assert b.key != a.key
+    rows = [json.loads(line) for line in b.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
+    assert [r["gold"] for r in rows] == ["7", "8"]

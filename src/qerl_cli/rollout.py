@@ -183,7 +183,11 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
 
         lora = load_lora(adapter, model)
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
-    inputs.append(artifact.Input("prompts", prompts, artifact.sha256_json(texts)))
+    # the rewards depend on the gold answers and the verifier as much as on the questions
+    scoring = tasks.verifier() if problems is not None else None
+    inputs.append(artifact.Input("prompts", prompts, artifact.sha256_json(
+        {"prompts": texts, "answers": [p.answer for p in problems] if problems is not None else None,
+         "verifier": scoring})))
     if lora is not None:
         inputs.append(artifact.Input("adapter", str(adapter), lora.digest))
 

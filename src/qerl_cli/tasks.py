@@ -94,6 +94,16 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
     return Outcome(1.0 + bonus if ok else bonus, CORRECT if ok else WRONG, pred)
 
 
+# The reward function's identity (bump when the rules of ``score`` / ``extract_answer`` change): rollouts key
+# their cache on it with the gold answers, as the rewards depend on both.
+REWARD_FUNCTION = "qerl.tasks.score/1"
+
+
+def verifier() -> dict:
+    """What turns a completion and a gold answer into a reward, as recorded in artifacts and cache keys."""
+    return {"reward": REWARD_FUNCTION}
+
+
 # ------------------------------------------------------------------------------------------------ data
 @dataclass
 class Problem:
