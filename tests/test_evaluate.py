@@ -267,3 +267,17 @@ def test_num_examples_truncates_generated_task(packed, tmp_path):
                           progress=False)
     s = json.loads(a.file(names.EVAL_SUMMARY).read_text())
     assert s["examples"] == 2 and len(a.file(names.EVAL_EXAMPLES).read_text().splitlines()) == 2
+
+
+def test_answer_checker_is_recorded_in_eval(packed, tmp_path, monkeypatch):
+    from qerl_cli import tasks
+
+    kw = dict(num_examples=2, max_new_tokens=2, progress=False)
+    a = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "a", **kw)
+    assert a.config["verifier"]["checker"] == tasks.NUMERIC_CHECKER
+    assert json.loads(a.file(names.EVAL_SUMMARY).read_text())["verifier"] == a.config["verifier"]
+    monkeypatch.setattr(tasks, "_math_verify", lambda: (str.strip, lambda g, p: g == p, "9.9.9"))
+    b = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "b", **kw)
+    assert json.loads(b.file(names.EVAL_SUMMARY).read_text())["verifier"]["checker"] == {
+        "name": "math-verify", "version": "9.9.9"}
+    assert b.key != a.key

@@ -220,3 +220,26 @@ def test_cache_key_covers_gold_answers(pipeline, tmp_path):
     assert b.key != a.key
     rows = [json.loads(line) for line in b.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
     assert [r["gold"] for r in rows] == ["7", "8"]
+
+
+def _fake_math_verify(monkeypatch):
+    """math-verify "installed" (a stand-in that compares the parsed strings), version 9.9.9."""
+    monkeypatch.setattr(tasks, "_math_verify", lambda: (str.strip, lambda g, p: g == p, "9.9.9"))
+
+
+def test_answer_checker_is_recorded_and_keyed(pipeline, tmp_path, monkeypatch):
+    """Which checker scored (math-verify when importable, else the built-in numeric match) is recorded in the
+    rollout's config and meta and is part of its key: the two can score the same completion differently."""
+    assert tasks.answer_checker() == tasks.NUMERIC_CHECKER  # (math-verify is not installed here)
+    kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
+    assert a.config["verifier"]["checker"] == {"name": "qerl.parse_number", "version": "1"}
+    assert json.loads(a.file(names.ROLLOUT_META).read_text())["verifier"] == a.config["verifier"]
+    _fake_math_verify(monkeypatch)
+    assert tasks.answer_checker() == {"name": "math-verify", "version": "9.9.9"}
+    assert tasks.answers_match("7.0", "7") is False  # the stand-in's rules, not parse_number's
+    with pytest.raises(QerlError, match="different 'rollout' artifact"):  # not served from the cache
+        rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
+    b = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "b", **kw)
+    assert b.config["verifier"]["checker"] == {"name": "math-verify", "version": "9.9.9"} and b.key != a.key
+    assert json.loads(b.file(names.ROLLOUT_META).read_text())["verifier"]["checker"]["name"] == "math-verify"

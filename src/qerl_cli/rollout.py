@@ -225,13 +225,15 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         summary = _summary(rows, batches)
         meta = {"policy": info | {"engine": cfg.engine, "device": device, "dtype": str(eng.dtype),
                                   "adapter_digest": lora.digest if lora else None, "cuda_graph": eng.use_graph},
-                "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION,
+                "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION, "verifier": scoring,
                 "noise": noise_states, "summary": summary}
         (tmp / names.ROLLOUT_META).write_text(json.dumps(meta, indent=1) + "\n")
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
         return summary | {"peak_cuda_allocated": peak}
 
-    art = artifact.run_stage(names.KIND_ROLLOUT, output, config.as_dict(cfg), inputs, body, force=force)
+    # the answer checker that scored (results differ between checkers): recorded, and part of the key
+    art = artifact.run_stage(names.KIND_ROLLOUT, output, config.as_dict(cfg) | {"verifier": scoring}, inputs, body,
+                             force=force)
     _print(json.loads(art.file(names.ROLLOUT_META).read_text())["summary"], art.path)
     return art
 
