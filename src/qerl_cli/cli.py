@@ -162,7 +162,7 @@ def rollout_cmd(
     top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k")] = None,
     num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", help="Use the first N prompts (0 = all).")] = None,
-    engine: Annotated[str, typer.Option("--engine", help="'ours', 'hf' (transformers generate, reference) or 'vllm'.")] = "ours",
+    engine: Annotated[str, typer.Option("--engine", help="'ours', 'hf' (transformers generate, reference: same noise draw, adapter and sampling) or 'vllm'.")] = "ours",
     verify_dir: Annotated[Optional[Path], typer.Option("--verify", help="verify artifact of the pack (default: PACKED/../verify).")] = None,
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Sample from an unverified pack (recorded).")] = False,
     config: ConfigFile = None,
