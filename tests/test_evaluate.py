@@ -183,19 +183,42 @@ def test_report_time_to_target_uses_heldout_accuracy(tmp_path):
 
 
 def test_accuracy_ci_binary_is_wilson_and_mean_at_k_is_not_overconfident():
-    """One sample per example: the Wilson interval over examples. k samples per example: the interval comes
-    from the examples, not from n*k samples treated as independent. With perfectly correlated samples (each
-    example all right or all wrong) it must be about as wide as Wilson over n examples, twice the naive one."""
+    """One sample per example: the Wilson interval over examples. k samples per example: Wilson at the
+    effective sample size n_eff = p(1-p)n/s^2 clamped to [n, nk]. With perfectly correlated samples (each
+    example all right or all wrong) it is Wilson over the n examples, twice as wide as the naive one."""
     binary = [True] * 30 + [False] * 10
     (lo, hi), method = stats.accuracy_ci(binary)
     assert (lo, hi) == stats.wilson(30, 40) and method.startswith("Wilson")
+    assert stats.accuracy_ci([1.0] * 30 + [0.0] * 10, k=1)[0] == stats.wilson(30, 40)  # k = 1: exactly Wilson
+    assert stats.accuracy_ci([True] + [False] * 39, k=1)[0] == stats.wilson(1, 40)
     scores = [1.0] * 128 + [0.0] * 128  # k = 4, every example 4/4 or 0/4
-    (lo, hi), method = stats.accuracy_ci(scores)
-    wl, wh = stats.wilson(128, 256)
+    (lo, hi), method = stats.accuracy_ci(scores, k=4)
     nl, nh = stats.wilson(512, 1024)
-    assert "bootstrap" in method and lo < 0.5 < hi
-    assert (hi - lo) == pytest.approx(wh - wl, rel=0.1) and (hi - lo) > 1.7 * (nh - nl)
-    assert stats.accuracy_ci([0.75] * 50)[0] == (0.75, 0.75)  # no spread between examples
+    assert "effective sample size" in method and (lo, hi) == stats.wilson(128, 256)
+    assert (hi - lo) > 1.9 * (nh - nl)
+    # no spread between examples with 0 < p < 1: the samples are independent, n*k of them
+    assert stats.accuracy_ci([0.75] * 50, k=4)[0] == pytest.approx(stats.wilson(150, 200))
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_mean_at_k_interval_never_collapses_at_the_edges(p):
+    """All-0 / all-1 per-example scores: the correlation of an example's samples cannot be estimated, so the
+    interval is Wilson over the n examples (positive width, the conservative choice), not [p, p]."""
+    (lo, hi), _ = stats.accuracy_ci([p] * 40, k=4)
+    assert hi - lo > 0.08 and (lo, hi) == stats.wilson(40 * p, 40)
+
+
+def test_mean_at_k_interval_known_values():
+    # scores 0, 1/4, 2/4, 3/4 (k = 4): p = 0.375, s^2 = 0.3125 / 3, n_eff = p(1-p) * 4 / s^2 = 9 (within [4, 16])
+    assert stats.effective_sample_size([0.0, 0.25, 0.5, 0.75], 4) == pytest.approx(9.0)
+    (lo, hi), _ = stats.accuracy_ci([0.0, 0.25, 0.5, 0.75], k=4)
+    assert lo == pytest.approx(0.14497, abs=1e-5) and hi == pytest.approx(0.67981, abs=1e-5)  # Wilson(3.375, 9)
+    # one example with 1 of 4 right among 40 (the bootstrap gave [0, 0.019]): n_eff = 159, above the mean
+    (lo, hi), _ = stats.accuracy_ci([0.25] + [0.0] * 39, k=4)
+    assert lo == pytest.approx(0.0010993, abs=1e-6) and hi == pytest.approx(0.034696, abs=1e-5)
+    assert stats.effective_sample_size([0.25] + [0.0] * 39, 4) == pytest.approx(159.0)
+    # clamps: s^2 larger than binomial over n -> n; n_eff above n*k -> n*k
+    assert stats.effective_sample_size([0.0, 1.0], 8) == 2.0
 
 
 def _fake_eval(path, scores, k=4):
@@ -224,7 +247,8 @@ def test_report_mean_at_k_pairs_and_arms_over_seeds(tmp_path):
     r = report.report([b0, b1, q0, q1], tmp_path / "rep")
     data = json.loads(r.file(names.REPORT_JSON).read_text())
     assert all("mcnemar_exact_p" not in p for p in data["paired"])
-    assert data["evals"][0]["ci95"] != [0.624, 0.626] and "bootstrap" in data["evals"][0]["ci_method"]
+    assert data["evals"][0]["ci95"] != [0.624, 0.626] and "effective sample size" in data["evals"][0]["ci_method"]
+    assert data["evals"][0]["ci95"] == list(stats.accuracy_ci([1.0, 1.0, 0.5, 0.0], k=4)[0])
     arms = {a["arm"]: a for a in data["arm_evals"]}
     assert arms["bf16"]["accuracy"] == pytest.approx(0.5625) and arms["bf16"]["per_seed"] == [0.625, 0.5]
     assert arms["nvfp4"]["vs"] == "bf16" and arms["nvfp4"]["seeds"] == [0, 1]
@@ -236,3 +260,24 @@ def test_report_mean_at_k_pairs_and_arms_over_seeds(tmp_path):
     y = _fake_eval(tmp_path / "y" / "eval", [False, True, False, True], k=1)
     (p,) = json.loads(report.report([x, y], tmp_path / "rep2").file(names.REPORT_JSON).read_text())["paired"]
     assert (p["baseline_only_correct"], p["other_only_correct"], p["mcnemar_exact_p"]) == (1, 1, 1.0)
+
+
+def test_num_examples_truncates_generated_task(packed, tmp_path):
+    a = evaluate.evaluate(packed / "packed", "arith:20", tmp_path / "e", num_examples=2, max_new_tokens=2,
+                          progress=False)
+    s = json.loads(a.file(names.EVAL_SUMMARY).read_text())
+    assert s["examples"] == 2 and len(a.file(names.EVAL_EXAMPLES).read_text().splitlines()) == 2
+
+
+def test_answer_checker_is_recorded_in_eval(packed, tmp_path, monkeypatch):
+    from qerl_cli import tasks
+
+    kw = dict(num_examples=2, max_new_tokens=2, progress=False)
+    a = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "a", **kw)
+    assert a.config["verifier"]["checker"] == tasks.NUMERIC_CHECKER
+    assert json.loads(a.file(names.EVAL_SUMMARY).read_text())["verifier"] == a.config["verifier"]
+    monkeypatch.setattr(tasks, "_math_verify", lambda: (str.strip, lambda g, p: g == p, "9.9.9"))
+    b = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "b", **kw)
+    assert json.loads(b.file(names.EVAL_SUMMARY).read_text())["verifier"]["checker"] == {
+        "name": "math-verify", "version": "9.9.9"}
+    assert b.key != a.key

@@ -176,3 +176,162 @@ def test_arithmetic_heldout_split_is_disjoint_from_training():
     assert {p.question.split()[0] for p in held} >= {"What"}  # add/mul kinds present in held-out too
     with pytest.raises(QerlError, match="splits"):
         tasks.arithmetic_problems(5, 0, split="test")
+
+
+def test_num_problems_truncates_generated_tasks_too():
+    """The first N problems of arith:M (N < M) for evaluate's --num-examples and rollout's --num-prompts alike:
+    load_problems is the one place that truncates, files and generated tasks the same way."""
+    full = tasks.load_problems("arith:20", 0, None, "heldout")
+    assert len(full) == 20
+    assert tasks.load_problems("arith:20", 0, 5, "heldout") == full[:5]
+    assert tasks.load_problems("arith:3", 0, 5, "heldout") == full[:3]  # N > M: all M
+    assert len(tasks.load_problems("arith", 0, 7)) == 7  # no :M: N is the pool size
+    gsm = str(SHARED_DATA / "gsm8k" / "test.jsonl")
+    assert len(tasks.load_problems(gsm, 0, 2)) == 2
+
+
+def test_plain_text_prompt_file(pipeline, tmp_path):
+    """A .txt prompts file: one prompt per blank-line-separated block (as data.py reads .txt), not scored."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("Say hello.\n\nCount to three,\nslowly.\n\n\nName a colour.\n")
+    art = rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", group=2, max_new_tokens=4, seed=0,
+                          progress=False)
+    rows = [json.loads(line) for line in art.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
+    assert [r["prompt_text"] for r in rows[::2]] == ["Say hello.", "Count to three,\nslowly.", "Name a colour."]
+    assert "reward" not in rows[0] and "rewards" not in load_file(str(art.file(names.ROLLOUT_TENSORS)))
+    one = rollout.rollout(pipeline / "packed", str(f), tmp_path / "one", group=1, max_new_tokens=4, num_prompts=1,
+                          progress=False)
+    assert len(one.file(names.ROLLOUT_SAMPLES).read_text().splitlines()) == 1
+
+
+def test_cache_key_covers_gold_answers(pipeline, tmp_path):
+    """Rewards depend on the gold answers (and the verifier), not only the questions: a prompts file whose
+    answers changed is a different rollout, never a cached one with stale rewards."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                         for i in range(2)))
+    kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
+    a = rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", **kw)
+    f.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 7}"}) + "\n"
+                         for i in range(2)))
+    with pytest.raises(QerlError, match="different 'rollout' artifact"):
+        rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", **kw)
+    b = rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", force=True, **kw)
+    assert b.key != a.key
+    rows = [json.loads(line) for line in b.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
+    assert [r["gold"] for r in rows] == ["7", "8"]
+
+
+def _fake_math_verify(monkeypatch):
+    """math-verify "installed" (a stand-in that compares the parsed strings), version 9.9.9."""
+    monkeypatch.setattr(tasks, "_math_verify", lambda: (str.strip, lambda g, p: g == p, "9.9.9"))
+
+
+def test_answer_checker_is_recorded_and_keyed(pipeline, tmp_path, monkeypatch):
+    """Which checker scored (math-verify when importable, else the built-in numeric match) is recorded in the
+    rollout's config and meta and is part of its key: the two can score the same completion differently."""
+    assert tasks.answer_checker() == tasks.NUMERIC_CHECKER  # (math-verify is not installed here)
+    kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
+    assert a.config["verifier"]["checker"] == {"name": "qerl.parse_number", "version": "1"}
+    assert json.loads(a.file(names.ROLLOUT_META).read_text())["verifier"] == a.config["verifier"]
+    _fake_math_verify(monkeypatch)
+    assert tasks.answer_checker() == {"name": "math-verify", "version": "9.9.9"}
+    assert tasks.answers_match("7.0", "7") is False  # the stand-in's rules, not parse_number's
+    with pytest.raises(QerlError, match="different 'rollout' artifact"):  # not served from the cache
+        rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
+    b = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "b", **kw)
+    assert b.config["verifier"]["checker"] == {"name": "math-verify", "version": "9.9.9"} and b.key != a.key
+    assert json.loads(b.file(names.ROLLOUT_META).read_text())["verifier"]["checker"]["name"] == "math-verify"
+
+
+def _random_adapter(path, scale=0.3):
+    g = torch.Generator().manual_seed(0)
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    t = {}
+    for i in range(2):
+        for mod, (n, k) in {"self_attn.q_proj": (64, 64), "mlp.down_proj": (64, 128)}.items():
+            key = f"base_model.model.model.layers.{i}.{mod}"
+            t[f"{key}.lora_A.weight"] = torch.randn(4, k, generator=g) * scale
+            t[f"{key}.lora_B.weight"] = torch.randn(n, 4, generator=g) * scale
+    save_file(t, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def _teacher_forced(pipeline, art, sigma, seed, scope, adapter, temperature):
+    """The recorded completions' tempered log-probs under our engine with the given noise draw and adapter."""
+    from qerl_cli.adapter import load_lora
+    from qerl_cli.engine import Engine
+
+    t = load_file(str(art.file(names.ROLLOUT_TENSORS)))
+    prompts = [row[len(row) - int(n):].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"])]
+    model, tok, _, _ = rollout.load_policy(pipeline / "packed", "cpu")
+    eng = Engine(model, "cpu")
+    eng.set_noise(sigma, seed * 1_000_003, scope, len(prompts), 2)
+    eng.set_adapter(load_lora(adapter, model) if adapter is not None else None)
+    with torch.no_grad():
+        tf = eng.sequence_logprobs(prompts, t["completion_ids"], t["completion_mask"], temperature, 2, group=2)
+    return t, tf
+
+
+@pytest.mark.parametrize("scope", ["batch", "group"])
+def test_hf_engine_samples_the_declared_policy(pipeline, tmp_path, scope):
+    """--engine hf applies the AQN draw the engine would use (on the model's own norm weights) and the adapter,
+    and records log-probs as the engine does: the tempered ones are untruncated (equal to our engine's
+    teacher-forced log-probs under that same noise and adapter), the behaviour ones those of the top-p
+    truncated distribution actually sampled from."""
+    ad = _random_adapter(tmp_path / "ad")
+    art = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "ro", group=2, max_new_tokens=6, sigma=0.05,
+                          seed=3, top_p=0.8, noise_scope=scope, adapter=ad, engine="hf", progress=False)
+    t, tf = _teacher_forced(pipeline, art, 0.05, 3, scope, ad, 1.0)
+    m = t["completion_mask"]
+    assert m.sum() > 8 and (t["behaviour_logprobs"][~m] == 0).all() and (t["tempered_logprobs"][~m] == 0).all()
+    assert torch.allclose(t["tempered_logprobs"][m], tf[m], atol=2e-4)
+    _, clean = _teacher_forced(pipeline, art, 0.0, 3, scope, None, 1.0)
+    assert (t["tempered_logprobs"][m] - clean[m]).abs().max() > 1e-2  # (noise and adapter change the policy)
+    assert (t["behaviour_logprobs"][m] >= t["tempered_logprobs"][m] - 1e-6).all()  # truncated, renormalized
+    assert (t["behaviour_logprobs"][m] > t["tempered_logprobs"][m] + 1e-3).any()
+    meta = json.loads(art.file(names.ROLLOUT_META).read_text())
+    assert meta["noise"][0]["sigma"] == 0.05 and meta["policy"]["adapter_digest"] and not meta["policy"]["cuda_graph"]
+
+
+def test_hf_engine_greedy_records_zero(pipeline, tmp_path):
+    greedy = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "g", group=1, max_new_tokens=4,
+                             temperature=0.0, engine="hf", progress=False)
+    t = load_file(str(greedy.file(names.ROLLOUT_TENSORS)))
+    assert (t["behaviour_logprobs"] == 0).all() and (t["tempered_logprobs"] == 0).all()  # as the engine records
+
+
+def test_hf_engine_seeds_each_batch(pipeline, tmp_path):
+    # one prompt per batch, the same prompt twice: each batch has its own seed (seed + batch index)
+    f = tmp_path / "same.jsonl"
+    f.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n" +
+                 json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n")
+    conf = tmp_path / "ro.toml"
+    conf.write_text("batch_prompts = 1\n")
+    art = rollout.rollout(pipeline / "packed", str(f), tmp_path / "s", group=1, max_new_tokens=6, seed=5,
+                          engine="hf", config_file=conf, progress=False)
+    c = load_file(str(art.file(names.ROLLOUT_TENSORS)))["completion_ids"]
+    assert not torch.equal(c[0], c[1])
+
+
+def test_hf_policy_restores_the_clean_model(pipeline, tmp_path):
+    from qerl_cli.adapter import load_lora
+    from qerl_cli.engine import Engine
+
+    model, _, _, _ = rollout.load_policy(pipeline / "packed", "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eng = Engine(model, "cpu")
+    eng.set_noise(0.1, 7)
+    eng.set_adapter(load_lora(_random_adapter(tmp_path / "ad"), model))
+    ids = torch.tensor([[1, 5, 9, 200]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        with rollout.hf_policy(model, eng):
+            w = model.model.layers[1].post_attention_layernorm.weight
+            assert torch.equal(w, eng.effective_norm_weights()[1]["post_attention_layernorm"])
+            noisy = model(ids).logits
+        assert (noisy - plain).abs().max() > 1e-2
+        assert torch.equal(model(ids).logits, plain)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

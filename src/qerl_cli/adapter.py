@@ -1,24 +1,73 @@
-"""LoRA adapters in PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), read without peft."""
+"""LoRA adapters in PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), read without peft.
+
+What our engine applies is plain LoRA on the seven projections of each decoder layer (q/k/v/o, gate/up/down):
+``y += scaling * (x @ A^T) @ B^T``. peft's per-module ``rank_pattern`` / ``alpha_pattern`` are honoured as
+peft does (a pattern key matches a module name ``N`` when ``re.match(rf"(.*\\.)?({key})$", N)``, the first
+matching key in the file's order wins; ``scaling = alpha / r`` per module, ``alpha / sqrt(r)`` with
+``use_rslora``). Anything else an adapter may carry — LoRA variants such as DoRA, LoRA biases, LoRA or full
+copies of other modules (``lm_head``, ``embed_tokens``, ``modules_to_save``), trainable tokens — is refused
+with one sentence naming it, never silently dropped.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from .artifact import sha256_file
-from .engine import LoRA
+from .engine import PROJECTIONS, LoRA
 from .errors import QerlError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
+# adapter_config.json entries that change what the adapter computes beyond plain LoRA (when set / true)
+UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "modules_to_save": "fully trained module copies (modules_to_save)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+    "layer_replication": "layer replication (layer_replication)",
+    "target_parameters": "LoRA on parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "velora_config": "VeLoRA (velora_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "kasa_config": "KaSA (kasa_config)",
+}
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(" + "|".join(re.escape(p) for p in PROJECTIONS) + r")")
+
+
+def pattern_key(patterns, name: str) -> str | None:
+    """The key of peft's ``rank_pattern`` / ``alpha_pattern`` that applies to module ``name`` (peft's
+    ``get_pattern_key``: the first key, in order, that matches the end of the name after a dot), or None."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return key
+    return name if name in patterns else None  # (peft then looks the name itself up)
+
+
+def _unsupported_options(conf: dict) -> list[str]:
+    found = [what for k, what in UNSUPPORTED_OPTIONS.items() if conf.get(k)]
+    if conf.get("bias", "none") not in ("none", None):
+        found.append(f"trained biases (bias = '{conf['bias']}')")
+    if str(conf.get("init_lora_weights", "")).lower() == "mica":
+        found.append("MiCA (init_lora_weights = 'mica')")
+    if conf.get("peft_type", "LORA") not in ("LORA", None):
+        found.append(f"a {conf['peft_type']} adapter (peft_type; only LORA is supported)")
+    return found
+
 
 def load_lora(path: str | Path, model) -> LoRA:
-    """Read a PEFT LoRA adapter and check it fits ``model`` (module names and shapes)."""
+    """Read a PEFT LoRA adapter and check it fits ``model`` (module names and shapes); one clear error for
+    anything our engine would not apply exactly."""
     path = Path(path)
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
         raise QerlError(f"{path} is not a LoRA adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}.")
@@ -26,42 +75,76 @@ def load_lora(path: str | Path, model) -> LoRA:
         conf = json.loads((path / ADAPTER_CONFIG).read_text())
         r = int(conf.get("r", 0))
         alpha = float(conf.get("lora_alpha", r))
+        rank_pattern = {str(k): int(v) for k, v in (conf.get("rank_pattern") or {}).items()}
+        alpha_pattern = {str(k): float(v) for k, v in (conf.get("alpha_pattern") or {}).items()}
+        rslora = bool(conf.get("use_rslora"))
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise QerlError(f"{path / ADAPTER_CONFIG} is not a valid adapter config ({e}).") from None
-    if r < 1:
-        raise QerlError(f"{path / ADAPTER_CONFIG} has no valid rank r.")
-    scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+    if r < 1 or any(v < 1 for v in rank_pattern.values()):
+        raise QerlError(f"{path / ADAPTER_CONFIG} has no valid rank r (every rank must be >= 1).")
     try:
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
     except Exception as e:  # (safetensors' own error type for a file cut short or not a safetensors file)
         raise QerlError(f"{path / ADAPTER_WEIGHTS} cannot be read ({e}).") from None
     factors: dict[str, list] = {}
+    foreign: list[str] = []  # tensors that are not a projection's plain LoRA factor
+    magnitudes = False  # DoRA's magnitude vectors
+    others: set[str] = set()  # modules outside the projections that carry LoRA factors
     for key, t in tensors.items():
-        for part, idx in (("lora_A", 0), ("lora_B", 1)):
-            marker = f".{part}."
-            if marker in key:
-                name = key.split(marker)[0]
-                for prefix in ("base_model.model.", "base_model."):
-                    if name.startswith(prefix):
-                        name = name[len(prefix):]
-                        break
-                factors.setdefault(name, [None, None])[idx] = t
+        name = key
+        for prefix in ("base_model.model.", "base_model."):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        m = re.fullmatch(r"(.+)\.lora_(embedding_)?([AB])(\.weight)?", name)
+        if re.search(r"\.lora_magnitude_vector(\.weight)?$", name):
+            magnitudes = True
+        elif m is None:
+            foreign.append(name)
+        elif m.group(2) or not m.group(4) or not _PROJECTION.fullmatch(m.group(1)):
+            others.add(m.group(1))
+        else:
+            factors.setdefault(m.group(1), [None, None])["AB".index(m.group(3))] = t
+    problems = _unsupported_options(conf)
+    if magnitudes and not conf.get("use_dora"):
+        problems.append("DoRA (lora_magnitude_vector tensors)")
+    if others:
+        problems.append(f"LoRA on {', '.join(sorted(others)[:3])}{' ...' if len(others) > 3 else ''} (only the "
+                        "q/k/v/o/gate/up/down projections of the decoder layers take LoRA)")
+    if foreign:
+        problems.append(f"tensors other than LoRA factors, such as {', '.join(sorted(foreign)[:2])}")
+    if problems:
+        raise QerlError(f"adapter {path} uses what qerl's engine does not apply: {'; '.join(problems)}.")
     if not factors:
         raise QerlError(f"{path / ADAPTER_WEIGHTS} holds no LoRA tensors.")
     modules = dict(model.named_modules())
-    out = {}
+    out, scalings = {}, {}
     for name, (a, b) in factors.items():
         if a is None or b is None:
             raise QerlError(f"adapter {path} has only one LoRA factor for {name}.")
+        try:
+            rk, ak = pattern_key(rank_pattern, name), pattern_key(alpha_pattern, name)
+        except re.error as e:
+            raise QerlError(f"{path / ADAPTER_CONFIG} has a rank_pattern / alpha_pattern key that is not a valid "
+                            f"regular expression ({e}).") from None
+        r_m = rank_pattern[rk] if rk is not None else r
+        alpha_m = alpha_pattern[ak] if ak is not None else alpha
         mod = modules.get(name)
         if mod is None:
             raise QerlError(f"adapter {path} targets {name}, which this model does not have (an adapter for another model?).")
-        if a.shape != (r, mod.in_features) or b.shape != (mod.out_features, r):
+        if a.shape != (r_m, mod.in_features) or b.shape != (mod.out_features, r_m):
             raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; "
-                            f"this model needs [{r}, {mod.in_features}] and [{mod.out_features}, {r}] "
+                            f"this model needs [{r_m}, {mod.in_features}] and [{mod.out_features}, {r_m}] "
                             "(an adapter for another model?).")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise QerlError(f"adapter {path} holds NaN or infinite values in {name}.")
         out[name] = (a.float(), b.float())
+        scalings[name] = alpha_m / math.sqrt(r_m) if rslora else alpha_m / r_m
+    scaling = alpha / math.sqrt(r) if rslora else alpha / r
+    if len(set(scalings.values())) > 1:  # per-module scalings: the container has one, the ratio goes into B
+        scaling = scaling or 1.0
+        out = {n: (a, b if scalings[n] == scaling else b * (scalings[n] / scaling)) for n, (a, b) in out.items()}
+    elif scalings:
+        scaling = next(iter(scalings.values()))
     digest = sha256_file(path / ADAPTER_WEIGHTS)
     return LoRA(out, scaling, digest)

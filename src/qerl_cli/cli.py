@@ -151,7 +151,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 def rollout_cmd(
     source: Annotated[str, typer.Argument(help="packed artifact (NVFP4), or a model (HF dir, .gguf, 'smollm2-135m-instruct') for the bf16 baseline.")],
     output: Output,
-    prompts: Annotated[str, typer.Option("--prompts", help="jsonl/json/parquet with question+answer (rewards) or prompt fields, or arith:N.")],
+    prompts: Annotated[str, typer.Option("--prompts", help="jsonl/json/parquet with question+answer fields (scored: rewards) or a prompt field, a .txt file (one prompt per blank-line-separated block; not scored), or arith:N.")],
     group: Annotated[Optional[int], typer.Option("--group", "-G", help="Completions per prompt.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Token limit per completion.")] = None,
     adapter: Annotated[Optional[Path], typer.Option("--adapter", help="LoRA adapter directory (PEFT format).")] = None,
@@ -162,7 +162,7 @@ def rollout_cmd(
     top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k")] = None,
     num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", help="Use the first N prompts (0 = all).")] = None,
-    engine: Annotated[str, typer.Option("--engine", help="'ours', 'hf' (transformers generate, reference) or 'vllm'.")] = "ours",
+    engine: Annotated[str, typer.Option("--engine", help="'ours', 'hf' (transformers generate, reference: same noise draw, adapter and sampling) or 'vllm'.")] = "ours",
     verify_dir: Annotated[Optional[Path], typer.Option("--verify", help="verify artifact of the pack (default: PACKED/../verify).")] = None,
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Sample from an unverified pack (recorded).")] = False,
     config: ConfigFile = None,
@@ -260,7 +260,9 @@ def evaluate_cmd(
     force: Force = False,
     progress: Progress = True,
 ) -> None:
-    """Accuracy of a declared deployment policy, per example, with a 95% Wilson interval (an `eval` artifact).
+    """Accuracy of a declared deployment policy, per example, with a 95% Wilson interval (an `eval` artifact);
+    with -k > 1 (mean@k) the Wilson interval is taken at the effective sample size p(1-p)n/s^2 of the
+    per-example scores, clamped to [n, nk] (n when p is 0 or 1), as the k samples of a problem are correlated.
 
     Examples:
 

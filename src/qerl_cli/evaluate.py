@@ -104,6 +104,8 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
                      "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                      "samples": cfg.samples, "aqn": {"sigma": cfg.sigma, "seed": cfg.seed if cfg.sigma > 0 else None}}
 
+    scoring = tasks.verifier()  # the answer checker that ran (results differ between checkers)
+
     def body(tmp: Path) -> dict:
         eng = Engine(model, device, cuda_graph=cfg.cuda_graph)
         eng.set_adapter(lora)
@@ -137,19 +139,20 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         n = len(per_example)
         correct_all = sum(x["correct"] for e in per_example for x in e["samples"])
         acc = correct_all / (n * cfg.samples)
-        (lo, hi), ci_method = stats.accuracy_ci([e["correct"] for e in per_example])
+        (lo, hi), ci_method = stats.accuracy_ci([e["correct"] for e in per_example], k=cfg.samples)
         flat = [x for e in per_example for x in e["samples"]]
         summary = {"dataset": data_spec, "dataset_id": dataset_id, "examples": n, "samples_per_example": cfg.samples,
                    "accuracy": acc, "accuracy_ci95": [lo, hi], "ci_method": ci_method,
                    f"pass@{cfg.samples}": sum(e[f"pass@{cfg.samples}"] for e in per_example) / n,
                    "unparsable_rate": sum(x["unparsable"] for x in flat) / len(flat),
                    "truncated_rate": sum(x["truncated"] for x in flat) / len(flat),
-                   "generated_tokens": gen_tokens, "generation_s": wall, "policy": policy}
+                   "generated_tokens": gen_tokens, "generation_s": wall, "policy": policy, "verifier": scoring}
         (tmp / names.EVAL_SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
         return {"accuracy": acc, "accuracy_ci95": [lo, hi], "examples": n, "peak_cuda_allocated": peak}
 
-    art = artifact.run_stage(names.KIND_EVAL, output, config.as_dict(cfg), inputs, body, force=force)
+    art = artifact.run_stage(names.KIND_EVAL, output, config.as_dict(cfg) | {"verifier": scoring}, inputs, body,
+                             force=force)
     s = json.loads(art.file(names.EVAL_SUMMARY).read_text())
     t = Table(title=f"qerl evaluate — {art.path}")
     for c in ("examples", "k", "accuracy", "95% CI", "unparsable", "truncated", "adapter"):

@@ -30,8 +30,9 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict], l
     for a, s, ex in zip(arts, summaries, examples):
         p = s["policy"]
         # the interval is recomputed from the per-example scores, so every row uses the same method (older
-        # artifacts hold a Wilson interval over all n*k samples in the summary, too narrow for k > 1)
-        ci, ci_method = stats.accuracy_ci([e["correct"] for e in ex.values()])
+        # artifacts hold a Wilson interval over all n*k samples, or a percentile bootstrap that collapses at
+        # all-0/all-1 scores, in the summary)
+        ci, ci_method = stats.accuracy_ci([e["correct"] for e in ex.values()], k=s.get("samples_per_example", 1))
         rows.append({"path": str(a.path), "weights": p.get("weights"), "adapter": (p.get("adapter_digest") or "none")[:12],
                      "temperature": p.get("temperature"), "aqn_sigma": p.get("aqn", {}).get("sigma"),
                      "samples_per_example": s.get("samples_per_example", 1),

@@ -3,6 +3,7 @@ behaviour log-probs; optionally scored by a task verifier."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,27 @@ def score_batch(batch: RolloutBatch, tok, problems: list[tasks.Problem] | None, 
     return rows
 
 
+def load_prompts(spec: str, seed: int, n: int, tok) -> tuple[list[str], list[tasks.Problem] | None]:
+    """(prompt texts, problems or None) of ``spec``, the first ``n`` (0 = all). Problems (scored): ``arith[:M]``
+    or a jsonl/json/parquet file / HF dataset with question and answer fields. Unscored prompts: rows with a
+    ``prompt`` field, or a ``.txt`` file with one prompt per blank-line-separated block (surrounding white
+    space dropped)."""
+    from . import data
+
+    txt = not tasks.is_generated(spec) and Path(spec).suffix.lower() == ".txt"
+    if not txt:
+        try:
+            problems = tasks.load_problems(spec, seed, n or None)
+            return [p.question for p in problems], problems
+        except QerlError as e:
+            if "lacks the field" not in str(e):
+                raise
+    rows = data.load_records(spec).rows[: n or None]
+    if txt:
+        return [r["text"].strip() for r in rows], None
+    return [data.row_text(r, ["prompt"], tok) for r in rows], None
+
+
 def rollout(source: str | Path, prompts: str, output: str | Path, group: int | None = None,
             max_new_tokens: int | None = None, adapter: str | Path | None = None, sigma: float | None = None,
             seed: int | None = None, temperature: float | None = None, top_p: float | None = None,
@@ -152,22 +174,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         vllm_engine = vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
     model, tok, input_arts, info = load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
     modelio.fix_tokenizer(tok)
-    problems = None
-    if tasks.is_generated(prompts) or not prompts.endswith(".txt"):
-        try:
-            problems = tasks.load_problems(prompts, cfg.seed, cfg.num_prompts or None)
-        except QerlError as e:
-            if "lacks the field" not in str(e):
-                raise
-    if problems is not None:
-        texts = [p.question for p in problems]
-    else:
-        from . import data
-
-        texts = [data.row_text(r, ["prompt"], tok) for r in data.load_records(prompts).rows]
-    if cfg.num_prompts:
-        texts = texts[: cfg.num_prompts]
-        problems = problems[: cfg.num_prompts] if problems is not None else None
+    texts, problems = load_prompts(prompts, cfg.seed, cfg.num_prompts, tok)
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
@@ -177,7 +184,11 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
 
         lora = load_lora(adapter, model)
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
-    inputs.append(artifact.Input("prompts", prompts, artifact.sha256_json(texts)))
+    # the rewards depend on the gold answers and the verifier as much as on the questions
+    scoring = tasks.verifier() if problems is not None else None
+    inputs.append(artifact.Input("prompts", prompts, artifact.sha256_json(
+        {"prompts": texts, "answers": [p.answer for p in problems] if problems is not None else None,
+         "verifier": scoring})))
     if lora is not None:
         inputs.append(artifact.Input("adapter", str(adapter), lora.digest))
 
@@ -197,7 +208,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
                 b = vllm_engine.generate(chunk, cfg.group, cfg.sampling(), cfg.seed + bi,
                                          str(adapter) if adapter else None, tok.pad_token_id)
             elif cfg.engine == "hf":
-                b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id)
+                b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id, cfg.seed + bi, eng)
             else:
                 b = eng.generate(chunk, cfg.group, cfg.sampling(), cfg.seed + bi, eos, tok.pad_token_id)
             sub = problems[s: s + len(chunk)] if problems is not None else None
@@ -214,51 +225,121 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
                 f.write(json.dumps(r | {"prompt_text": texts[r["prompt"]]}) + "\n")
         summary = _summary(rows, batches)
         meta = {"policy": info | {"engine": cfg.engine, "device": device, "dtype": str(eng.dtype),
-                                  "adapter_digest": lora.digest if lora else None, "cuda_graph": eng.use_graph},
-                "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION,
+                                  "adapter_digest": lora.digest if lora else None,
+                                  "cuda_graph": eng.use_graph and cfg.engine == "ours"},
+                "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION, "verifier": scoring,
                 "noise": noise_states, "summary": summary}
         (tmp / names.ROLLOUT_META).write_text(json.dumps(meta, indent=1) + "\n")
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
         return summary | {"peak_cuda_allocated": peak}
 
-    art = artifact.run_stage(names.KIND_ROLLOUT, output, config.as_dict(cfg), inputs, body, force=force)
+    # the answer checker that scored (results differ between checkers): recorded, and part of the key
+    art = artifact.run_stage(names.KIND_ROLLOUT, output, config.as_dict(cfg) | {"verifier": scoring}, inputs, body,
+                             force=force)
     _print(json.loads(art.file(names.ROLLOUT_META).read_text())["summary"], art.path)
     return art
 
 
-def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[int], pad: int) -> RolloutBatch:
-    """Reference path: transformers' ``generate`` (no behaviour log-probs beyond its scores)."""
+@contextlib.contextmanager
+def hf_policy(model, eng: Engine, row: int | None = None):
+    """Within: the HF model itself runs the policy ``eng`` declares, for transformers' ``generate``: the
+    engine's current AQN draw written into every layer's ``input_layernorm`` / ``post_attention_layernorm``
+    weight (``row``: which row of a per-group draw), and the engine's adapter added by forward hooks on its
+    projections (``y += scaling * (x @ A^T) @ B^T``, as the engine does). On leaving, the norm weights are the
+    engine's clean snapshot again and the hooks are gone."""
+    norms = eng.effective_norm_weights()
+    layers = list(model.model.layers)
+    hooks = []
+    try:
+        with torch.no_grad():
+            for layer, nw in zip(layers, norms):
+                for t, w in nw.items():
+                    getattr(layer, t).weight.copy_(w[row, 0] if w.dim() == 3 else w)
+        if eng.lora is not None:
+            for name, (a, b) in eng.lora.factors.items():
+                def add_lora(_m, args, out, a=a, b=b, s=eng.lora.scaling):
+                    return out + ((args[0] @ a.t()) @ b.t() * s).to(out.dtype)
+
+                hooks.append(model.get_submodule(name).register_forward_hook(add_lora))
+        yield model
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for layer, clean in zip(layers, eng.clean):
+                for t, w in clean.items():
+                    getattr(layer, t).weight.copy_(w)
+
+
+def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[int], pad: int, seed: int,
+                eng: Engine) -> RolloutBatch:
+    """Reference path: transformers' ``generate`` on the HF model under the same policy as the engine path
+    (``eng``'s AQN draw and adapter applied through :func:`hf_policy`; sampling seeded with ``seed``, one per
+    batch). Log-probs as the engine records them: ``behaviour_logprobs`` from the processed scores the tokens
+    were sampled from (tempered, top-k / top-p truncated, renormalized), ``tempered_logprobs`` from the raw
+    logits / temperature (untruncated); both 0 when greedy (T = 0). Only our sampling settings apply: the
+    model's own ``generation_config`` (e.g. a default top-k or repetition penalty) is set aside for the call.
+    A per-group AQN draw (noise scope "group") generates prompt by prompt, each under its own draw."""
     import time
 
+    from transformers import GenerationConfig
+
     dev = next(model.parameters()).device
+    kw = {"do_sample": cfg.temperature > 0}
+    if cfg.temperature > 0:
+        kw |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}  # (top_k 0: off)
+    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, num_return_sequences=cfg.group,
+                               eos_token_id=sorted(eos), pad_token_id=pad, output_scores=True, output_logits=True,
+                               return_dict_in_generate=True, **kw)
+    per_group = eng.effective_norm_weights()[0]["input_layernorm"].dim() == 3
+    chunks = [[p] for p in prompts] if per_group else [prompts]
+    own_cfg = model.generation_config
+    t0 = time.perf_counter()
+    parts = []
+    try:
+        model.generation_config = GenerationConfig()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for ci, chunk in enumerate(chunks):
+                with hf_policy(model, eng, row=ci * cfg.group if per_group else None):
+                    parts.append(_hf_chunk(model, chunk, gen_cfg, cfg.temperature, eos, pad, dev))
+    finally:
+        model.generation_config = own_cfg
+    dt = time.perf_counter() - t0
+    t = max(x[0].shape[1] for x in parts)
+    seq = torch.cat([torch.nn.functional.pad(x[0], (0, t - x[0].shape[1]), value=pad) for x in parts])
+    mask, blp, tlp = (torch.cat([torch.nn.functional.pad(x[i], (0, t - x[i].shape[1])) for x in parts])
+                      for i in (1, 2, 3))
+    ended = (mask & torch.isin(seq, torch.tensor(sorted(eos)))).any(1)
+    return RolloutBatch([list(p) for p in prompts], cfg.group, seq, mask, blp, tlp,
+                        ["eos" if e else "length" for e in ended.tolist()],
+                        {"prefill_s": 0.0, "decode_s": dt, "generated_tokens": int(mask.sum()),
+                         "tokens_per_s": int(mask.sum()) / dt})
+
+
+def _hf_chunk(model, prompts: list[list[int]], gen_cfg, temperature: float, eos: set[int], pad: int, dev):
+    """(completion ids, mask, behaviour log-probs, tempered log-probs) of one ``generate`` call, on CPU."""
     p_len = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), p_len), pad, dtype=torch.long)
     att = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, p_len - len(p):] = torch.tensor(p)
         att[i, p_len - len(p):] = 1
-    t0 = time.perf_counter()
-    kw = {"do_sample": cfg.temperature > 0}
-    if cfg.temperature > 0:
-        kw |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or None}
-    torch.manual_seed(cfg.seed)
-    out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=cfg.max_new_tokens,
-                         num_return_sequences=cfg.group, eos_token_id=sorted(eos), pad_token_id=pad,
-                         output_scores=True, return_dict_in_generate=True, **kw)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), generation_config=gen_cfg)
     seq = out.sequences[:, p_len:].cpu()
     t = seq.shape[1]
-    eos_t = torch.tensor(sorted(eos))
-    is_eos = torch.isin(seq, eos_t)
+    is_eos = torch.isin(seq, torch.tensor(sorted(eos)))
     first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((seq.shape[0],), t))
-    mask = torch.arange(t)[None] <= first[:, None]
-    mask &= torch.arange(t)[None] < t
-    scores = torch.stack(out.scores, 1).float().cpu()  # processed logits
-    lp = torch.log_softmax(scores, -1).gather(-1, seq[..., None]).squeeze(-1) * mask
-    dt = time.perf_counter() - t0
-    return RolloutBatch([list(p) for p in prompts], cfg.group, seq, mask, lp, lp,
-                        ["eos" if f < t else "length" for f in first.tolist()],
-                        {"prefill_s": 0.0, "decode_s": dt, "generated_tokens": int(mask.sum()),
-                         "tokens_per_s": int(mask.sum()) / dt})
+    mask = torch.arange(t)[None] <= first[:, None]  # through the first eos
+    if temperature == 0:  # greedy: a deterministic policy, recorded as 0 (as the engine does)
+        zero = torch.zeros(seq.shape, dtype=torch.float32)
+        return seq, mask, zero, zero.clone()
+    processed = torch.stack(out.scores, 1).float().cpu()  # what each token was sampled from
+    raw = torch.stack(out.logits, 1).float().cpu()
+    blp = torch.log_softmax(processed, -1).gather(-1, seq[..., None]).squeeze(-1)
+    tlp = torch.log_softmax(raw / temperature, -1).gather(-1, seq[..., None]).squeeze(-1)
+    # (after a row's end its pad tokens may be -inf under a truncated distribution: masked to 0, never NaN)
+    return seq, mask, torch.where(mask, blp, 0.0), torch.where(mask, tlp, 0.0)
 
 
 def _stack(batches: list[RolloutBatch], pad: int) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Small statistics for honest comparisons (pure): Wilson intervals, exact McNemar, paired bootstrap, pass@k."""
+"""Small statistics for honest comparisons (pure): Wilson intervals (also at an effective sample size for
+mean@k), exact McNemar, paired bootstrap, pass@k."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import math
 import random
 
 
-def wilson(successes: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (95% by default); (0, 1) for n = 0."""
+def wilson(successes: float, n: float, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95% by default); (0, 1) for n = 0. ``n`` may be an
+    effective (non-integer) sample size, with ``successes`` = proportion * n."""
     if n <= 0:
         return 0.0, 1.0
-    p = successes / n
+    return _wilson_at(successes / n, n, z)
+
+
+def _wilson_at(p: float, n: float, z: float = 1.959963984540054) -> tuple[float, float]:
     denom = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    half = z * math.sqrt(max(p * (1 - p), 0.0) / n + z * z / (4 * n * n)) / denom
     return max(0.0, center - half), min(1.0, center + half)
 
 
@@ -38,21 +43,48 @@ def paired_bootstrap(a: list[float], b: list[float], iters: int = 2000, seed: in
     return {"mean_diff": sum(diffs) / n, "ci95": [means[int(0.025 * iters)], means[int(0.975 * iters) - 1]]}
 
 
-def accuracy_ci(per_example: list[float], iters: int = 4000, seed: int = 0) -> tuple[tuple[float, float], str]:
-    """95% interval of an accuracy from per-example scores, and the method used. Binary scores (one sample per
-    example): Wilson. Fractional scores (mean@k, k samples per example): a percentile bootstrap over examples,
-    because the k samples of one example are correlated and a Wilson interval over all n*k samples would be
-    too narrow."""
+def effective_sample_size(per_example: list[float], k: int) -> float:
+    """The number of independent Bernoulli trials the n*k samples are worth, for mean@k scores (each of the n
+    examples scored as the fraction of its k samples that are right): ``n_eff = p(1-p) n / s^2`` with p the
+    mean score and s^2 the sample variance (ddof = 1) of the per-example scores (the variance of the mean,
+    s^2 / n, set equal to a binomial's p(1-p) / n_eff), clamped to [n, n*k] (no more than the samples, no fewer
+    than the examples). When p is 0 or 1 (or there is a single example) the correlation of an example's samples
+    cannot be estimated: n_eff = n (conservative). s^2 = 0 with 0 < p < 1 (every example the same fraction):
+    n*k. For k = 1 the scores are 0/1, s^2 = p(1-p) n / (n-1), and n_eff is n."""
+    n = len(per_example)
+    if n == 0:
+        return 0.0
+    vals = [float(x) for x in per_example]
+    p = sum(vals) / n
+    if n < 2 or p <= 0.0 or p >= 1.0:
+        return float(n)
+    var = sum((v - p) ** 2 for v in vals) / (n - 1)
+    if var <= 0.0:
+        return float(n * k)
+    return min(max(p * (1 - p) * n / var, float(n)), float(n * k))
+
+
+def accuracy_ci(per_example: list[float], k: int = 1, z: float = 1.959963984540054
+                ) -> tuple[tuple[float, float], str]:
+    """95% interval of an accuracy from per-example scores (``k`` samples per example; mean@k scores in
+    [0, 1] for k > 1, right/wrong for k = 1), and the method used: a Wilson score interval at the observed mean
+    over the effective sample size of :func:`effective_sample_size` (the k samples of one example are
+    correlated, so n*k samples treated as independent would give too narrow an interval). For k = 1 it is
+    exactly the Wilson interval over the n examples. Unlike a percentile bootstrap over examples it never
+    collapses to zero width (all-0 or all-1 scores: Wilson on n; one success among many examples: a Wilson
+    upper bound, not the bootstrap's handful of resamples)."""
     n = len(per_example)
     if n == 0:
         return (0.0, 1.0), "none (no examples)"
-    if all(isinstance(x, bool) for x in per_example):
-        return wilson(sum(per_example), n), "Wilson score, 95%, over examples"
-    rng = random.Random(seed)
-    vals = [float(x) for x in per_example]
-    means = sorted(sum(vals[rng.randrange(n)] for _ in range(n)) / n for _ in range(iters))
-    return (means[int(0.025 * iters)], means[int(0.975 * iters) - 1]), \
-        "percentile bootstrap over examples of the per-example mean@k, 95%"
+    if k < 1:
+        raise ValueError(f"k (samples per example) must be >= 1, got {k}")
+    if k == 1:
+        return wilson(sum(float(x) for x in per_example), n, z), "Wilson score, 95%, over examples"
+    p = sum(float(x) for x in per_example) / n
+    n_eff = effective_sample_size(per_example, k)
+    return _wilson_at(p, n_eff, z), (
+        f"Wilson score, 95%, at the effective sample size n_eff = {n_eff:.4g} of {n} examples x {k} samples "
+        "(n_eff = p(1-p)n/s^2 from the between-example variance, clamped to [n, nk]; n when p is 0 or 1)")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -3,6 +3,7 @@ answer, an unparsable answer and a truncated completion apart."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import re
@@ -59,13 +60,40 @@ def gold_answer(answer_field: str) -> str:
     return m.group(1).strip() if m else answer_field.strip()
 
 
-def answers_match(pred: str, gold: str) -> bool:
+# the built-in checker's rules (parse_number, then exact string match): bump when they change
+NUMERIC_CHECKER = {"name": "qerl.parse_number", "version": "1"}
+
+
+@functools.lru_cache(maxsize=1)
+def _math_verify():
+    """(parse, verify, version) of math-verify when it is installed, else None (looked up once)."""
     try:
         from math_verify import parse, verify  # optional, more thorough (LaTeX, sets, units)
-
-        return bool(verify(parse(gold), parse(pred)))
     except ImportError:
-        pass
+        return None
+    try:
+        from importlib.metadata import version
+
+        v = version("math-verify")
+    except Exception:  # (not installed as a distribution, e.g. a source tree on the path)
+        import math_verify
+
+        v = str(getattr(math_verify, "__version__", "unknown"))
+    return parse, verify, v
+
+
+def answer_checker() -> dict:
+    """The checker ``answers_match`` uses here (name and version): math-verify when it is importable, else
+    the built-in numeric match. Results can differ between them, so artifacts record it and key on it."""
+    mv = _math_verify()
+    return {"name": "math-verify", "version": mv[2]} if mv is not None else dict(NUMERIC_CHECKER)
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    mv = _math_verify()
+    if mv is not None:
+        parse, verify, _ = mv
+        return bool(verify(parse(gold), parse(pred)))
     a, b = parse_number(pred), parse_number(gold)
     if a is not None and b is not None:
         return a == b
@@ -92,6 +120,17 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
     ok = answers_match(pred, gold)
     bonus = format_reward if marked else 0.0
     return Outcome(1.0 + bonus if ok else bonus, CORRECT if ok else WRONG, pred)
+
+
+# The reward function's identity (bump when the rules of ``score`` / ``extract_answer`` change): rollouts key
+# their cache on it with the gold answers, as the rewards depend on both.
+REWARD_FUNCTION = "qerl.tasks.score/1"
+
+
+def verifier() -> dict:
+    """What turns a completion and a gold answer into a reward, as recorded in artifacts and cache keys: the
+    reward function and the answer checker that ran (name + version)."""
+    return {"reward": REWARD_FUNCTION, "checker": answer_checker()}
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -171,11 +210,15 @@ def is_generated(spec: str) -> bool:
 
 
 def load_problems(spec: str, seed: int = 0, n: int | None = None, split: str = "train") -> list[Problem]:
-    """``arith[:N]`` (generated, ``split`` train/heldout), or a jsonl/json/parquet file / HF dataset with
-    question and answer fields."""
+    """``arith[:M]`` (generated, ``split`` train/heldout), or a jsonl/json/parquet file / HF dataset with
+    question and answer fields. ``n`` (None/0 = all): the first ``n`` problems, for files and ``arith:M`` alike
+    (``arith:M`` with ``n`` < M gives the first ``n`` of its M problems); plain ``arith`` generates ``n`` (256
+    without ``n``). This is the one place that truncates (rollout's --num-prompts, evaluate's --num-examples)."""
     if is_generated(spec):
         _, _, count = spec.partition(":")
         k = int(count) if count else (n or 256)
+        if n:  # the generator draws problem by problem: the first n of arith:M are arith:n's
+            k = min(k, n)
         return arithmetic_problems(k, seed, split)
     from . import data
 
