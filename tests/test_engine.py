@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from qerl_cli import artifact, names, pack, packed_model, quantize, verify
 from qerl_cli.engine import Engine, LoRA, SamplingConfig
+from qerl_cli.errors import QerlError
 
 EOS, PAD = 2, 2
 
@@ -188,6 +189,11 @@ def test_lora_applied_beside_the_base_and_swappable(model):
     torch.testing.assert_close(with_lora, ref, rtol=1e-4, atol=1e-4)
     assert (with_lora - base).abs().max() > 1e-2
     assert torch.equal(again, base)
+    # a module the forward never adds LoRA terms to (tied lm_head here) is refused, not silently dropped
+    v = model.lm_head.weight.shape[0]
+    with pytest.raises(QerlError, match="projections only"):
+        eng.set_adapter(LoRA({"lm_head": (torch.zeros(4, 64), torch.zeros(v, 4))}, scaling=1.0))
+    assert eng.lora is None
 
 
 def _peft(qlora, model, targets):

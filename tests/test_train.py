@@ -113,6 +113,7 @@ def test_training_steps_change_loss_and_adapter(tiny_pipeline, tmp_path, reward)
     assert rc["config"]["objective"] == "clean" and rc["config"]["skip_verify"] is False
     assert rc["policy"]["weights"] == "nvfp4-packed" and len(rc["sigma_schedule"]) == 4
     assert "behaviour" in rc["definitions"]["behaviour_logprobs"]
+    assert rc["config"]["verifier"] == tasks.verifier() and art.config["verifier"]["reward"] == tasks.REWARD_FUNCTION
     # same command again: a cache hit
     again = train.train(tiny_pipeline["packed"], run, **TINY, overrides=OVR)
     assert again.digest == art.digest

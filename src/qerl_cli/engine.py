@@ -469,6 +469,11 @@ class Engine:
             unknown = [k for k in lora.factors if k not in names]
             if unknown:
                 raise QerlError(f"the adapter targets {unknown[0]}, which this model does not have.")
+            projections = {f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in PROJECTIONS}
+            other = [k for k in lora.factors if k not in projections]
+            if other:  # the forward adds LoRA terms on the seven projections only: never drop one silently
+                raise QerlError(f"the adapter targets {other[0]}; the rollout engine applies LoRA to the attention "
+                                "and MLP projections only.")
             lora = lora.to(self.device, self.dtype)
         self.lora = lora
         self._graph = None

@@ -246,7 +246,8 @@ def hf_policy(model, eng: Engine, row: int | None = None):
     engine's current AQN draw written into every layer's ``input_layernorm`` / ``post_attention_layernorm``
     weight (``row``: which row of a per-group draw), and the engine's adapter added by forward hooks on its
     projections (``y += scaling * (x @ A^T) @ B^T``, as the engine does). On leaving, the norm weights are the
-    engine's clean snapshot again and the hooks are gone."""
+    engine's clean snapshot again and the hooks are gone. (The HF norms hold the model's dtype: on a bf16 model
+    the draw is rounded to bf16 there, unlike in the engine, whose noisy scales stay fp32.)"""
     norms = eng.effective_norm_weights()
     layers = list(model.model.layers)
     hooks = []

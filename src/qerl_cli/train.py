@@ -804,7 +804,9 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
         raise QerlError(f"{cfg.task} holds no problems.")
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
     inputs.append(artifact.Input("task", cfg.task, artifact.sha256_json([[p.question, p.answer] for p in problems])))
-    cfg_dict = config.as_dict(cfg)
+    # the reward function and answer checker that score the rollouts (rewards differ between checkers): recorded
+    # with the config and part of the key, as in rollout and evaluate
+    cfg_dict = config.as_dict(cfg) | {"verifier": tasks.verifier()}
     key = artifact.cache_key(names.KIND_RUN, cfg_dict, inputs)
 
     if dist.main:
