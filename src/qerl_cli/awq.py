@@ -229,8 +229,10 @@ def apply_scales_to_weights(weights: Sequence[torch.Tensor], s: torch.Tensor) ->
 
 
 def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Preceding RMSNorm weight divided by ``s`` (fp32 ``[K]``). For a norm of the form ``x_hat * w`` (Llama,
-    Qwen, Mistral), not ``x_hat * (1 + w)`` (Gemma). Also right for the bias of a preceding linear."""
+    """Preceding RMSNorm weight divided by ``s`` (fp32 ``[K]``). Exact only for a weight-only norm of the form
+    ``x_hat * w`` (Llama, Qwen, Mistral), not ``x_hat * (1 + w)`` (Gemma) nor a LayerNorm with a bias: the
+    calibrate stage refuses other model types (``calibrate.FOLDABLE_MODEL_TYPES``). Also right for the bias
+    of a preceding linear."""
     if norm_weight.shape != s.shape:
         raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} != scales shape {tuple(s.shape)}")
     return norm_weight.float() / s.float()

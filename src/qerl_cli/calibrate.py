@@ -80,7 +80,26 @@ GROUPS = (
 )
 
 
+#: Model types whose decoder layers fold exactly: pre-norm, ``input_layernorm`` feeding q/k/v and
+#: ``post_attention_layernorm`` feeding gate/up, both weight-only RMSNorm ``x_hat * w`` (dividing ``w`` by s
+#: divides the norm's output by s). Not Gemma (``x_hat * (1 + w)``; in Gemma 2/3 ``post_attention_layernorm``
+#: normalizes the attention output, not the MLP input), StableLM / Cohere (LayerNorm with bias), OLMo 2
+#: (post-norm) or Phi-3 (fused qkv_proj).
+FOLDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_foldable(model_type: str | None, what: str) -> None:
+    """Refuse AWQ folding on a model type outside :data:`FOLDABLE_MODEL_TYPES` (``what``: the model, for the
+    message)."""
+    if model_type not in FOLDABLE_MODEL_TYPES:
+        raise QerlError(f"AWQ calibration folds its scales into pre-norm weight-only RMSNorm weights, which is exact "
+                        f"only for {', '.join(FOLDABLE_MODEL_TYPES)} models, and {what} is a '{model_type}' model: "
+                        f"quantize it without --calib (round-to-nearest) instead.")
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a model whose AWQ scales fold exactly (:func:`check_foldable`)."""
+    check_foldable(getattr(model.config, "model_type", None), "this")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise QerlError("calibrate supports decoder-only models with model.layers (Llama, Qwen2, Mistral, ...).")
@@ -96,6 +115,8 @@ def active_groups(layer) -> list[Group]:
             mods = [layer.get_submodule(n) for n in g.linears]
         except AttributeError:
             raise QerlError(f"calibrate needs Llama-style layers with {g.prev} and {', '.join(g.linears)}.") from None
+        if g.prev_is_norm and getattr(prev, "bias", None) is not None:
+            raise QerlError(f"{g.prev} has a bias: AWQ folding needs weight-only RMSNorm layers.")
         if not g.prev_is_norm and prev.weight.shape[0] != mods[0].in_features:
             continue  # grouped-query attention: v has fewer outputs than o has inputs
         if not g.prev_is_norm and g.name == "o":
@@ -267,6 +288,8 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
                       {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress,
                        "device": device})
     source = modelio.resolve(model)
+    if source.gguf_file is None:  # (a GGUF's type is known once loaded: decoder_layers checks it then)
+        check_foldable(modelio.config_model_type(source.directory), model)
     records = data.load_records(data_spec, cfg.split)
     data_input = artifact.Input("data", data_spec, records.origin.get("sha256") or
                                 artifact.sha256_json(records.origin))

@@ -76,6 +76,14 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
     return ModelSource(s, p, None)
 
 
+def config_model_type(directory: Path) -> str | None:
+    """``model_type`` of a HF model (or artifact) directory's ``config.json``, without loading the model."""
+    try:
+        return json.loads((Path(directory) / names.MODEL_CONFIG).read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise QerlError(f"cannot read {Path(directory) / names.MODEL_CONFIG}: {e}.") from None
+
+
 def fix_tokenizer(tokenizer) -> None:
     """Chat models whose end-of-turn is ``<|im_end|>`` must stop and pad on it (SmolLM2's GGUF says otherwise);
     any other tokenizer without a pad token pads with eos."""

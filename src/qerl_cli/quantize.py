@@ -150,6 +150,9 @@ def quantize(model: str, output: str | Path, calib: str | Path | None = None, co
     calib_art = None
     if calib is not None:
         calib_art = artifact.open_artifact(calib, names.KIND_CALIB)
+        from .calibrate import check_foldable
+
+        check_foldable(modelio.config_model_type(calib_art.path), str(model))
         inputs.append(calib_art.as_input(output))
         calib_models = [i.get(names.K_DIGEST) for i in calib_art.inputs if i.get(names.K_KIND) == names.KIND_MODEL]
         if calib_models and inputs[0].digest not in calib_models:
