@@ -182,14 +182,45 @@ class _Capture:
         return torch.cat(self.rows), self.abs_sum / self.count
 
 
+#: Attention implementations that take the explicit additive mask of :func:`causal_mask` (calibrate loads
+#: models with "sdpa" whatever their config asks for).
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def causal_mask(seq: int, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive ``[1, 1, seq, seq]`` mask: query i sees keys j <= i (and i - j < window for a sliding-window
+    layer), as the model's own forward masks them; the rest get the dtype's lowest value."""
+    i = torch.arange(seq, device=device).unsqueeze(1)
+    j = torch.arange(seq, device=device).unsqueeze(0)
+    allowed = j <= i
+    if window is not None:
+        allowed &= (i - j) < window
+    mask = torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def _sliding_window(attn) -> int | None:
+    if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: per layer (None on full-attention layers)
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None)  # Mistral: every layer
+
+
 def _run_layer(layer, hidden: torch.Tensor, rotary, batch_size: int) -> torch.Tensor:
+    """One decoder layer over ``hidden [B, T, H]`` in batches, causal (an explicit mask: with ``attention_mask``
+    None, eager attention would be bidirectional)."""
+    attn = layer.self_attn
+    impl = getattr(attn.config, "_attn_implementation", None)
+    if impl not in MASKED_ATTENTION:
+        raise QerlError(f"calibrate runs layers with {' or '.join(MASKED_ATTENTION)} attention, not '{impl}'.")
     out = torch.empty_like(hidden)
     seq = hidden.shape[1]
     pos = torch.arange(seq, device=hidden.device).unsqueeze(0)
+    mask = causal_mask(seq, _sliding_window(attn), hidden.dtype, hidden.device)
     for b in range(0, hidden.shape[0], batch_size):
         h = hidden[b: b + batch_size]
         pe = rotary(h, pos.expand(h.shape[0], -1))
-        r = layer(h, attention_mask=None, position_ids=pos.expand(h.shape[0], -1), position_embeddings=pe)
+        r = layer(h, attention_mask=mask.expand(h.shape[0], -1, -1, -1), position_ids=pos.expand(h.shape[0], -1),
+                  position_embeddings=pe)
         out[b: b + batch_size] = r[0] if isinstance(r, tuple) else r
     return out
 
@@ -297,7 +328,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
 
     def body(tmp: Path) -> dict:
         with ui.status(f"loading {model}", cfg.progress):
-            net, tokenizer = modelio.load(source, torch.float32)
+            net, tokenizer = modelio.load(source, torch.float32, attn_implementation="sdpa")
         tokens, sample_info = build_samples(records, tokenizer, cfg)
         layers = decoder_layers(net)
         total = tokens.numel()

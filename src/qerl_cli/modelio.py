@@ -106,8 +106,9 @@ def fix_special_tokens(model, tokenizer) -> None:
         model.config.architectures = [type(model).__name__]
 
 
-def load(source: ModelSource, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) on CPU in ``dtype``, eval mode, special tokens fixed."""
+def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+    """Load (model, tokenizer) on CPU in ``dtype``, eval mode, special tokens fixed; ``attn_implementation``
+    overrides the one the model's config asks for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -115,9 +116,10 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32):
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    mkw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kw)
-        model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kw, **mkw)
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad model dir
         first = (str(e).splitlines() or [type(e).__name__])[0].rstrip(": ")
         raise QerlError(f"could not load model {source.spec}: {first or type(e).__name__}.") from None
