@@ -189,6 +189,41 @@ def test_config_override_targets_and_wrong_lineage(tiny_pipeline, tmp_path):
     assert any("not made from this quant checkpoint" in p for p in rt["problems"])
 
 
+def test_narrowed_targets_are_ignored_and_the_checkpoint_loads(tiny_pipeline, tmp_path):
+    """Linears left dense by narrowed targets are named in ``ignore`` (compressed-tensors reads every other
+    Linear as NVFP4): transformers loads them as the dense bf16 weights, nothing missing, finite logits equal to
+    the dequantized reference's."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from qerl_cli.packed_model import load_dequantized_model
+    from qerl_cli.quantize import quantize
+
+    cfg = tmp_path / "q.toml"
+    cfg.write_text('targets = ["o_proj", "down_proj"]\nfused_groups = []\n')
+    q = quantize(str(tiny_pipeline["model"]), tmp_path / "quant", config_file=cfg, progress=False)
+    qc = json.loads((q.path / "config.json").read_text())["quantization_config"]
+    dense = [f"model.layers.{i}.{p}" for i in range(2)
+             for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")]
+    assert sorted(qc["ignore"]) == sorted(dense + ["lm_head"])
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(q.path), quantization_config=CompressedTensorsConfig(run_compressed=False), dtype=torch.bfloat16,
+        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    src = _source_state(tiny_pipeline["model"])
+    for name in dense:
+        assert torch.equal(model.get_submodule(name).weight.detach(), src[f"{name}.weight"]), name
+    t = load_file(str(q.path / "model.safetensors"))
+    ref = load_dequantized_model(t, q.path, torch.bfloat16)
+    ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(ids).logits, ref(ids).logits
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the full-target checkpoint still ignores lm_head only
+    qc = json.loads((tiny_pipeline["quant"] / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"]
+
+
 # ------------------------------------------------------------------------------------ planted corruptions
 
 
