@@ -43,8 +43,19 @@ def test_pipeline_passes(tiny_pipeline):
     checks = report["checks"]
     assert list(checks) == ["1_projections", "2_model", "3_round_trip"]
     assert all(c["passed"] for c in checks.values())
-    assert len(checks["1_projections"]["layers"]) == 2 * len(PROJ)
-    assert checks["1_projections"]["batch_sizes"] == [1, 7, 64, 300]
+    proj = checks["1_projections"]
+    # every linear, plus the engine's fused q/k/v and gate/up of each layer
+    assert [r["name"] for r in proj["layers"] if not r["fused"]] == [
+        f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                            "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                            "mlp.down_proj")]
+    fused = {r["name"]: r["shape"] for r in proj["layers"] if r["fused"]}
+    assert fused == {**{f"model.layers.{i}.self_attn.q_proj+k_proj+v_proj": [64 + 32 + 32, 64] for i in range(2)},
+                     **{f"model.layers.{i}.mlp.gate_proj+up_proj": [2 * 128, 64] for i in range(2)}}
+    assert proj["linears_checked"] == 2 * len(PROJ) and proj["fused_checked"] == 4
+    # M reaches each CUDA kernel instance (<= 8, 8 < M <= 16, 16 < M <= 32, 32 < M <= 64, above)
+    assert proj["batch_sizes"] == [1, 7, 8, 12, 16, 32, 48, 64, 300] and proj["batch_sizes_t"] == [7, 64]
+    assert all(r["max_rel_error"] <= 1e-5 and r["max_rel_error_t"] <= 1e-5 for r in proj["layers"])
     assert checks["2_model"]["top1_agreement"] == 1.0 and checks["2_model"]["tokens"] > 0
     assert checks["3_round_trip"]["linears_checked"] == 2 * len(PROJ)
 
