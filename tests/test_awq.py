@@ -310,14 +310,16 @@ def test_coupled_search_weighs_the_producer_group():
     g = torch.Generator().manual_seed(3)
     x_gu = torch.randn(512, 64, generator=g)
     gate, up = torch.randn(128, 64, generator=g), torch.randn(128, 64, generator=g)
-    x_down = torch.randn(512, 128, generator=g) * torch.logspace(-2, 1, 128)  # wildly uneven channels
+    # wildly uneven channels: the down-only alpha divides some of up's rows by s so large that NVFP4 (one G
+    # for gate and up) flushes them (measured in down's units, as the coupled search does)
+    x_down = torch.randn(512, 128, generator=g) * torch.logspace(-10, 4, 128)
     down = torch.randn(64, 128, generator=g)
     cfg = awq.AWQConfig(n_grid=10)
     plain = awq.search_scales(x_down, [down], cfg)
     coupled = awq.search_scales_coupled(x_down, [down], awq.Producer(x_gu, [gate, up], 1), cfg)
 
     def producer_error(s):
-        return awq.group_error(x_gu, [gate, awq.fold_into_linear_output(up, s)])
+        return _producer_error(x_gu, [gate, up], 1, s)
 
     assert coupled.error_rtn == pytest.approx(awq.group_error(x_down, [down]), rel=1e-6)
     # the coupled choice never makes the sum of relative errors worse than round-to-nearest (alpha = 0)
@@ -325,3 +327,46 @@ def test_coupled_search_weighs_the_producer_group():
     # and it hurts the producer less than the down-only choice does
     assert producer_error(coupled.scales) < producer_error(plain.scales)
     assert plain.alpha > 0  # the down-only search did move (otherwise the comparison proves nothing)
+    assert producer_error(plain.scales) > 1.2 * producer_error(torch.ones(128))  # and really hurt up
+
+
+def _producer_error(px, weights, index, s, consumer_units=True):
+    """Output SSE of a producer group whose member ``index`` has its rows divided by ``s`` (one shared G of the
+    folded set): in the consumer's units ``px @ (Q(W/s) * s - W)^T``, or in the rescaled ones
+    ``px @ (Q(W/s) - W/s)^T`` (the objective before the fix)."""
+    prod = [w / s.unsqueeze(1) if i == index else w for i, w in enumerate(weights)]
+    g = nvfp4.fused_global_scale(prod)
+    sse = 0.0
+    for i, (w, f) in enumerate(zip(weights, prod)):
+        q = nvfp4.fake_quantize(f, g)
+        delta = q * s.unsqueeze(1) - w if (i == index and consumer_units) else q - f
+        sse += float((px @ delta.t()).double().square().sum())
+    return sse
+
+
+def test_coupled_search_measures_the_producer_error_in_the_consumers_units():
+    """up -> down with outlier rows in up: folding divides up's rows by s, and down's columns multiply its
+    outputs back by s, so up's error reaches down as Q(up/s)*s - up. Measured as Q(up/s) - up/s, the error of
+    the outlier rows shrinks with s and the search picked too small an alpha (0.5 instead of 0.7 here)."""
+    g = _gen(0)
+    t, h, i = 1024, 128, 256
+    px = torch.randn(t, h, generator=g)
+    gate, up = torch.randn(i, h, generator=g) * 0.05, torch.randn(i, h, generator=g) * 0.05
+    up[:8] *= 30
+    act = torch.nn.functional.silu(px @ gate.t()) * (px @ up.t())  # down's input
+    down = torch.randn(h, i, generator=g) * 0.05
+    cfg = awq.AWQConfig(n_grid=10, max_tokens=None)
+    res = awq.search_scales_coupled(act, [down], awq.Producer(px, [gate, up], 1), cfg)
+    stats = act.abs().mean(0)
+    ref = float((act @ down.t()).double().square().sum()) / (t * h)
+    pref = (float((px @ gate.t()).double().square().sum()) + float((px @ up.t()).double().square().sum())) / (t * 2 * i)
+    want, old = [], []
+    for a in cfg.alphas:
+        s = awq.scales_from_stats(stats, a)
+        consumer = _direct_error(act, [down], s) / ref
+        want.append(consumer + _producer_error(px, [gate, up], 1, s) / (t * 2 * i) / pref)
+        old.append(consumer + _producer_error(px, [gate, up], 1, s, consumer_units=False) / (t * 2 * i) / pref)
+    assert res.errors == pytest.approx(want, rel=1e-5)
+    best = cfg.alphas[min(range(len(want)), key=want.__getitem__)]
+    assert res.alpha == best == 0.7
+    assert cfg.alphas[min(range(len(old)), key=old.__getitem__)] == 0.5  # the old objective's (wrong) choice

@@ -112,6 +112,56 @@ def test_layerwise_forward_matches_model(tiny_model_dir):
     torch.testing.assert_close(net.model.norm(h), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type,attn,window", [("llama", "eager", None), ("llama", "sdpa", None),
+                                                     ("mistral", "eager", 5), ("mistral", "sdpa", 5)])
+def test_layerwise_forward_is_causal_whatever_the_attention(model_type, attn, window):
+    """The per-layer run equals the model's own hidden states with eager attention too (attention_mask=None was
+    bidirectional there), and honours a sliding window as the model does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    kw = {} if window is None else {"sliding_window": window}
+    conf = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                max_position_embeddings=512, attn_implementation=attn, **kw)
+    net = AutoModelForCausalLM.from_config(conf).float().eval()
+    assert net.config._attn_implementation == attn
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = net.model.embed_tokens(ids)
+        hs = []
+        for layer in net.model.layers:
+            h = calibrate._run_layer(layer, h, net.model.rotary_emb, batch_size=2)
+            hs.append(h)
+        ref = net(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(hs[0], ref[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(net.model.norm(hs[-1]), ref[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_calibrate_pins_an_attention_that_takes_the_causal_mask(tmp_path):
+    """A model whose config asks for eager attention is calibrated as with sdpa (same scales)."""
+    from transformers import AutoTokenizer
+
+    from conftest import REPO, build_tiny_llama
+
+    tok = AutoTokenizer.from_pretrained(str(REPO / "tests" / "data" / "smollm2-tokenizer"))
+    md = build_tiny_llama(tmp_path / "model", tok, kv_heads=4, dtype=torch.float32)
+    eager = tmp_path / "eager"
+    eager.mkdir()
+    for f in md.iterdir():
+        (eager / f.name).write_bytes(f.read_bytes())
+    conf = json.loads((eager / "config.json").read_text())
+    (eager / "config.json").write_text(json.dumps({**conf, "attn_implementation": "eager"}))
+    assert modelio.load(modelio.resolve(str(eager)))[0].config._attn_implementation == "eager"
+    kw = dict(samples=2, seq_len=32, field="question,answer", progress=False)
+    a = calibrate.calibrate(str(md), str(GSM8K_TRAIN), tmp_path / "ca", **kw)
+    b = calibrate.calibrate(str(eager), str(GSM8K_TRAIN), tmp_path / "cb", **kw)
+    sa, sb = load_file(str(a.file(names.CALIB_SCALES))), load_file(str(b.file(names.CALIB_SCALES)))
+    assert sorted(sa) == sorted(sb) and "model.layers.0.o" in sa
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=1e-4, atol=1e-6)
+
+
 def test_awq_pipeline_end_to_end(calib_dir, tiny_model_dir, tmp_path):
     q = quantize.quantize(str(tiny_model_dir), tmp_path / "quant", calib=calib_dir, progress=False)
     assert q.config["method"] == "awq"
@@ -221,3 +271,78 @@ def test_calibrate_device_without_cuda_is_one_clear_error(tiny_model_dir, tmp_pa
     assert "Traceback" not in r.stderr and not (tmp_path / "c").exists()
     with pytest.raises(QerlError, match="must be 'cpu' or 'cuda'"):
         calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), tmp_path / "d", device="tpu", progress=False)
+
+
+def _tiny_of_type(path: Path, tokenizer, model_type: str) -> Path:
+    """A tiny random model of another architecture (norm weights and biases away from their defaults)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                max_position_embeddings=512)
+    m = AutoModelForCausalLM.from_config(conf).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_((1.0 if n.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+    modelio.fix_special_tokens(m, tokenizer)
+    m.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma", "stablelm"])
+def test_models_whose_norms_do_not_fold_are_refused(model_type, smollm2_tokenizer, tmp_path, monkeypatch):
+    """Dividing a (1 + w) norm (Gemma) or a LayerNorm with bias (StableLM) by s changes the model (in Gemma 2
+    post_attention_layernorm is not even the MLP input): calibrate, quantize --calib and apply_calibration refuse
+    such models in one sentence instead of corrupting them."""
+    md = _tiny_of_type(tmp_path / "model", smollm2_tokenizer, model_type)
+    msg = f"exact only for llama, mistral, qwen2, qwen3 models, and .* is a '{model_type}' model"
+    with pytest.raises(QerlError, match=msg):
+        calibrate.calibrate(str(md), str(GSM8K_TRAIN), tmp_path / "calib", samples=2, seq_len=16,
+                            field="question,answer", progress=False)
+    assert not (tmp_path / "calib").exists()
+    if model_type != "gemma":
+        return
+    # a calib of such a model made before the check (simulated): quantize --calib refuses it too
+    monkeypatch.setattr(calibrate, "FOLDABLE_MODEL_TYPES", calibrate.FOLDABLE_MODEL_TYPES + (model_type,))
+    calibrate.calibrate(str(md), str(GSM8K_TRAIN), tmp_path / "calib", samples=2, seq_len=16,
+                        field="question,answer", progress=False)
+    monkeypatch.undo()
+    with pytest.raises(QerlError, match=msg):
+        quantize.quantize(str(md), tmp_path / "quant", calib=tmp_path / "calib", progress=False)
+    assert not (tmp_path / "quant").exists()
+    net, _ = modelio.load(modelio.resolve(str(md)), torch.float32)
+    with pytest.raises(QerlError, match=msg):
+        calibrate.apply_calibration(net, artifact.open_artifact(tmp_path / "calib", names.KIND_CALIB))
+    # round-to-nearest (nothing folded) still quantizes it
+    assert quantize.quantize(str(md), tmp_path / "quant", progress=False).config["method"] == "rtn"
+
+
+@pytest.mark.parametrize("model_type", calibrate.FOLDABLE_MODEL_TYPES)
+def test_folding_is_exact_on_every_allowed_model_type(model_type, smollm2_tokenizer, tmp_path):
+    """Every allowed type keeps its float function under random folds of all four groups."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                max_position_embeddings=512)
+    m = AutoModelForCausalLM.from_config(conf).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.copy_((1.0 if n.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    layer = calibrate.decoder_layers(m)[0]
+    groups = calibrate.active_groups(layer)
+    assert [g.name for g in groups] == ["o", "qkv", "down", "gate_up"]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        ref = m(ids).logits
+        for grp in groups:
+            calibrate.fold_group(layer, grp, torch.rand(layer.get_submodule(grp.linears[0]).in_features,
+                                                        generator=g) * 2 + 0.25)
+        out = m(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -40,7 +40,9 @@ def test_smollm2_quantize_pack_verify(tmp_path):
     report = json.loads((ver / "report.json").read_text())
     assert all(c["passed"] for c in report["checks"].values())
     assert report["checks"]["1_projections"]["batch_sizes"] == [1, 64]
-    assert len(report["checks"]["1_projections"]["layers"]) == 210
+    proj = report["checks"]["1_projections"]
+    assert len(proj["layers"]) == 210 + 2 * 30  # every linear, plus the engine's fused q/k/v and gate/up
+    assert proj["linears_checked"] == 210 and proj["fused_checked"] == 60
     assert report["checks"]["2_model"]["top1_agreement"] == 1.0
 
     # rerunning the whole chain does no work

@@ -43,8 +43,19 @@ def test_pipeline_passes(tiny_pipeline):
     checks = report["checks"]
     assert list(checks) == ["1_projections", "2_model", "3_round_trip"]
     assert all(c["passed"] for c in checks.values())
-    assert len(checks["1_projections"]["layers"]) == 2 * len(PROJ)
-    assert checks["1_projections"]["batch_sizes"] == [1, 7, 64, 300]
+    proj = checks["1_projections"]
+    # every linear, plus the engine's fused q/k/v and gate/up of each layer
+    assert [r["name"] for r in proj["layers"] if not r["fused"]] == [
+        f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                            "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                            "mlp.down_proj")]
+    fused = {r["name"]: r["shape"] for r in proj["layers"] if r["fused"]}
+    assert fused == {**{f"model.layers.{i}.self_attn.q_proj+k_proj+v_proj": [64 + 32 + 32, 64] for i in range(2)},
+                     **{f"model.layers.{i}.mlp.gate_proj+up_proj": [2 * 128, 64] for i in range(2)}}
+    assert proj["linears_checked"] == 2 * len(PROJ) and proj["fused_checked"] == 4
+    # M reaches each CUDA kernel instance (<= 8, 8 < M <= 16, 16 < M <= 32, 32 < M <= 64, above)
+    assert proj["batch_sizes"] == [1, 7, 8, 12, 16, 32, 48, 64, 300] and proj["batch_sizes_t"] == [7, 64]
+    assert all(r["max_rel_error"] <= 1e-5 and r["max_rel_error_t"] <= 1e-5 for r in proj["layers"])
     assert checks["2_model"]["top1_agreement"] == 1.0 and checks["2_model"]["tokens"] > 0
     assert checks["3_round_trip"]["linears_checked"] == 2 * len(PROJ)
 
@@ -187,6 +198,41 @@ def test_config_override_targets_and_wrong_lineage(tiny_pipeline, tmp_path):
     rt = json.loads(v.file("report.json").read_text())["checks"]["3_round_trip"]
     assert v.metrics["passed"] is False and rt["passed"] is False
     assert any("not made from this quant checkpoint" in p for p in rt["problems"])
+
+
+def test_narrowed_targets_are_ignored_and_the_checkpoint_loads(tiny_pipeline, tmp_path):
+    """Linears left dense by narrowed targets are named in ``ignore`` (compressed-tensors reads every other
+    Linear as NVFP4): transformers loads them as the dense bf16 weights, nothing missing, finite logits equal to
+    the dequantized reference's."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from qerl_cli.packed_model import load_dequantized_model
+    from qerl_cli.quantize import quantize
+
+    cfg = tmp_path / "q.toml"
+    cfg.write_text('targets = ["o_proj", "down_proj"]\nfused_groups = []\n')
+    q = quantize(str(tiny_pipeline["model"]), tmp_path / "quant", config_file=cfg, progress=False)
+    qc = json.loads((q.path / "config.json").read_text())["quantization_config"]
+    dense = [f"model.layers.{i}.{p}" for i in range(2)
+             for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")]
+    assert sorted(qc["ignore"]) == sorted(dense + ["lm_head"])
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(q.path), quantization_config=CompressedTensorsConfig(run_compressed=False), dtype=torch.bfloat16,
+        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    src = _source_state(tiny_pipeline["model"])
+    for name in dense:
+        assert torch.equal(model.get_submodule(name).weight.detach(), src[f"{name}.weight"]), name
+    t = load_file(str(q.path / "model.safetensors"))
+    ref = load_dequantized_model(t, q.path, torch.bfloat16)
+    ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(ids).logits, ref(ids).logits
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the full-target checkpoint still ignores lm_head only
+    qc = json.loads((tiny_pipeline["quant"] / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"]
 
 
 # ------------------------------------------------------------------------------------ planted corruptions

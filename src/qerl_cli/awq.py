@@ -229,8 +229,10 @@ def apply_scales_to_weights(weights: Sequence[torch.Tensor], s: torch.Tensor) ->
 
 
 def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Preceding RMSNorm weight divided by ``s`` (fp32 ``[K]``). For a norm of the form ``x_hat * w`` (Llama,
-    Qwen, Mistral), not ``x_hat * (1 + w)`` (Gemma). Also right for the bias of a preceding linear."""
+    """Preceding RMSNorm weight divided by ``s`` (fp32 ``[K]``). Exact only for a weight-only norm of the form
+    ``x_hat * w`` (Llama, Qwen, Mistral), not ``x_hat * (1 + w)`` (Gemma) nor a LayerNorm with a bias: the
+    calibrate stage refuses other model types (``calibrate.FOLDABLE_MODEL_TYPES``). Also right for the bias
+    of a preceding linear."""
     if norm_weight.shape != s.shape:
         raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} != scales shape {tuple(s.shape)}")
     return norm_weight.float() / s.float()
@@ -443,7 +445,14 @@ def search_scales_coupled(x: torch.Tensor, weights: Sequence[torch.Tensor], prod
     """:func:`search_scales` for a linear-output group, minimizing the sum of the **relative** output errors
     (MSE / output power) of the group and of its producer group with the producer member's rows divided by
     the candidate ``s``. Without the producer term a scale that helps ``down`` can wreck the quantization of
-    ``up`` (and, through the shared global scale, ``gate``). Alpha = 0 leaves both at round-to-nearest."""
+    ``up`` (and, through the shared global scale, ``gate``). Alpha = 0 leaves both at round-to-nearest.
+
+    The producer's error is measured in the units its outputs have for the consumer: the folded member
+    computes ``x_p @ Q(W/s)^T``, which the consumer's ``* s`` columns turn back into
+    ``x_p @ (Q(W/s) * s)^T``, so its error is ``x_p @ (Q(W/s) * s - W)^T`` (not ``Q(W/s) - W/s``, which
+    shrinks the error of rows divided by a large s and so favoured large scales on outlier channels); the
+    other members' errors are unchanged in units. Both terms are divided by output powers of the unfolded
+    weights, the units of the errors."""
     cfg = cfg or AWQConfig()
     x = _check_x(x)
     ws = _check_weights(weights, x.shape[1], x.device)
@@ -468,7 +477,10 @@ def search_scales_coupled(x: torch.Tensor, weights: Sequence[torch.Tensor], prod
         if alpha != 0:
             prod[producer.index] = fold_into_linear_output(prod[producer.index], s)
         pg = nvfp4.fused_global_scale(prod)
-        perr = _group_sse(px, prod, [nvfp4.fake_quantize(w, pg) for w in prod]) / pdenom
+        pq = [nvfp4.fake_quantize(w, pg) for w in prod]
+        if alpha != 0:  # back in the consumer's (the unfolded output's) units: Q(W / s) * s against W
+            pq[producer.index] = pq[producer.index] * s.unsqueeze(1)
+        perr = _group_sse(px, pws, pq) / pdenom
         total = err / max(ref, 1e-30) + perr / max(pref, 1e-30)
         if alpha == 0:
             err_rtn = err

@@ -80,7 +80,26 @@ GROUPS = (
 )
 
 
+#: Model types whose decoder layers fold exactly: pre-norm, ``input_layernorm`` feeding q/k/v and
+#: ``post_attention_layernorm`` feeding gate/up, both weight-only RMSNorm ``x_hat * w`` (dividing ``w`` by s
+#: divides the norm's output by s). Not Gemma (``x_hat * (1 + w)``; in Gemma 2/3 ``post_attention_layernorm``
+#: normalizes the attention output, not the MLP input), StableLM / Cohere (LayerNorm with bias), OLMo 2
+#: (post-norm) or Phi-3 (fused qkv_proj).
+FOLDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_foldable(model_type: str | None, what: str) -> None:
+    """Refuse AWQ folding on a model type outside :data:`FOLDABLE_MODEL_TYPES` (``what``: the model, for the
+    message)."""
+    if model_type not in FOLDABLE_MODEL_TYPES:
+        raise QerlError(f"AWQ calibration folds its scales into pre-norm weight-only RMSNorm weights, which is exact "
+                        f"only for {', '.join(FOLDABLE_MODEL_TYPES)} models, and {what} is a '{model_type}' model: "
+                        f"quantize it without --calib (round-to-nearest) instead.")
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a model whose AWQ scales fold exactly (:func:`check_foldable`)."""
+    check_foldable(getattr(model.config, "model_type", None), "this")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise QerlError("calibrate supports decoder-only models with model.layers (Llama, Qwen2, Mistral, ...).")
@@ -96,6 +115,8 @@ def active_groups(layer) -> list[Group]:
             mods = [layer.get_submodule(n) for n in g.linears]
         except AttributeError:
             raise QerlError(f"calibrate needs Llama-style layers with {g.prev} and {', '.join(g.linears)}.") from None
+        if g.prev_is_norm and getattr(prev, "bias", None) is not None:
+            raise QerlError(f"{g.prev} has a bias: AWQ folding needs weight-only RMSNorm layers.")
         if not g.prev_is_norm and prev.weight.shape[0] != mods[0].in_features:
             continue  # grouped-query attention: v has fewer outputs than o has inputs
         if not g.prev_is_norm and g.name == "o":
@@ -161,14 +182,45 @@ class _Capture:
         return torch.cat(self.rows), self.abs_sum / self.count
 
 
+#: Attention implementations that take the explicit additive mask of :func:`causal_mask` (calibrate loads
+#: models with "sdpa" whatever their config asks for).
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def causal_mask(seq: int, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive ``[1, 1, seq, seq]`` mask: query i sees keys j <= i (and i - j < window for a sliding-window
+    layer), as the model's own forward masks them; the rest get the dtype's lowest value."""
+    i = torch.arange(seq, device=device).unsqueeze(1)
+    j = torch.arange(seq, device=device).unsqueeze(0)
+    allowed = j <= i
+    if window is not None:
+        allowed &= (i - j) < window
+    mask = torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def _sliding_window(attn) -> int | None:
+    if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: per layer (None on full-attention layers)
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None)  # Mistral: every layer
+
+
 def _run_layer(layer, hidden: torch.Tensor, rotary, batch_size: int) -> torch.Tensor:
+    """One decoder layer over ``hidden [B, T, H]`` in batches, causal (an explicit mask: with ``attention_mask``
+    None, eager attention would be bidirectional)."""
+    attn = layer.self_attn
+    impl = getattr(attn.config, "_attn_implementation", None)
+    if impl not in MASKED_ATTENTION:
+        raise QerlError(f"calibrate runs layers with {' or '.join(MASKED_ATTENTION)} attention, not '{impl}'.")
     out = torch.empty_like(hidden)
     seq = hidden.shape[1]
     pos = torch.arange(seq, device=hidden.device).unsqueeze(0)
+    mask = causal_mask(seq, _sliding_window(attn), hidden.dtype, hidden.device)
     for b in range(0, hidden.shape[0], batch_size):
         h = hidden[b: b + batch_size]
         pe = rotary(h, pos.expand(h.shape[0], -1))
-        r = layer(h, attention_mask=None, position_ids=pos.expand(h.shape[0], -1), position_embeddings=pe)
+        r = layer(h, attention_mask=mask.expand(h.shape[0], -1, -1, -1), position_ids=pos.expand(h.shape[0], -1),
+                  position_embeddings=pe)
         out[b: b + batch_size] = r[0] if isinstance(r, tuple) else r
     return out
 
@@ -267,6 +319,8 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
                       {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress,
                        "device": device})
     source = modelio.resolve(model)
+    if source.gguf_file is None:  # (a GGUF's type is known once loaded: decoder_layers checks it then)
+        check_foldable(modelio.config_model_type(source.directory), model)
     records = data.load_records(data_spec, cfg.split)
     data_input = artifact.Input("data", data_spec, records.origin.get("sha256") or
                                 artifact.sha256_json(records.origin))
@@ -274,7 +328,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
 
     def body(tmp: Path) -> dict:
         with ui.status(f"loading {model}", cfg.progress):
-            net, tokenizer = modelio.load(source, torch.float32)
+            net, tokenizer = modelio.load(source, torch.float32, attn_implementation="sdpa")
         tokens, sample_info = build_samples(records, tokenizer, cfg)
         layers = decoder_layers(net)
         total = tokens.numel()

@@ -76,6 +76,14 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
     return ModelSource(s, p, None)
 
 
+def config_model_type(directory: Path) -> str | None:
+    """``model_type`` of a HF model (or artifact) directory's ``config.json``, without loading the model."""
+    try:
+        return json.loads((Path(directory) / names.MODEL_CONFIG).read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise QerlError(f"cannot read {Path(directory) / names.MODEL_CONFIG}: {e}.") from None
+
+
 def fix_tokenizer(tokenizer) -> None:
     """Chat models whose end-of-turn is ``<|im_end|>`` must stop and pad on it (SmolLM2's GGUF says otherwise);
     any other tokenizer without a pad token pads with eos."""
@@ -98,8 +106,9 @@ def fix_special_tokens(model, tokenizer) -> None:
         model.config.architectures = [type(model).__name__]
 
 
-def load(source: ModelSource, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) on CPU in ``dtype``, eval mode, special tokens fixed."""
+def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+    """Load (model, tokenizer) on CPU in ``dtype``, eval mode, special tokens fixed; ``attn_implementation``
+    overrides the one the model's config asks for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -107,9 +116,10 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32):
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    mkw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kw)
-        model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kw, **mkw)
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad model dir
         first = (str(e).splitlines() or [type(e).__name__])[0].rstrip(": ")
         raise QerlError(f"could not load model {source.spec}: {first or type(e).__name__}.") from None

@@ -34,8 +34,10 @@ class QuantizeConfig:
         config.validate(problems)
 
 
-def quantization_config(cfg: QuantizeConfig) -> dict:
-    """The ``quantization_config`` block of ``config.json`` that compressed-tensors / vLLM read."""
+def quantization_config(ignore: list[str]) -> dict:
+    """The ``quantization_config`` block of ``config.json`` that compressed-tensors / vLLM read. Its one group
+    targets every ``Linear``, so ``ignore`` must name each Linear left dense (:func:`unquantized_linears`):
+    a Linear not ignored is read as NVFP4 (transformers then finds no weight for it)."""
     return {
         "quant_method": "compressed-tensors",
         "format": "nvfp4-pack-quantized",
@@ -53,7 +55,7 @@ def quantization_config(cfg: QuantizeConfig) -> dict:
                 "output_activations": None,
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": list(ignore),
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
@@ -68,6 +70,14 @@ def quantized_linears(model, targets: tuple[str, ...]) -> list[tuple[str, torch.
     if not found:
         raise QerlError(f"the model has no Linear layers named {list(targets)}; nothing to quantize.")
     return found
+
+
+def unquantized_linears(model, targets: tuple[str, ...]) -> list[str]:
+    """Exact module names of every ``nn.Linear`` that :func:`quantized_linears` leaves dense (``lm_head``, and
+    any Linear whose name is not a target), in module order: the ``ignore`` list. compressed-tensors (0.19)
+    and vLLM read an entry without a ``re:`` prefix as an exact module name."""
+    quantized = {n for n, _ in quantized_linears(model, targets)}
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
 
 
 def fused_sets(linears: list[tuple[str, torch.nn.Linear]], fused_groups: tuple[str, ...]) -> list[list[str]]:
@@ -150,6 +160,9 @@ def quantize(model: str, output: str | Path, calib: str | Path | None = None, co
     calib_art = None
     if calib is not None:
         calib_art = artifact.open_artifact(calib, names.KIND_CALIB)
+        from .calibrate import check_foldable
+
+        check_foldable(modelio.config_model_type(calib_art.path), str(model))
         inputs.append(calib_art.as_input(output))
         calib_models = [i.get(names.K_DIGEST) for i in calib_art.inputs if i.get(names.K_KIND) == names.KIND_MODEL]
         if calib_models and inputs[0].digest not in calib_models:
@@ -169,7 +182,7 @@ def quantize(model: str, output: str | Path, calib: str | Path | None = None, co
         tensors, report = quantize_state(net, cfg, clip, cfg.progress)
         save_file(tensors, str(tmp / names.MODEL_WEIGHTS), metadata={"format": "pt"})
         conf = modelio.config_dict(net)
-        conf["quantization_config"] = quantization_config(cfg)
+        conf["quantization_config"] = quantization_config(unquantized_linears(net, cfg.targets))
         modelio.write_lineage(tmp, conf, tokenizer, net.generation_config)
         summary = {"method": cfg.method, "layers": report}
         if fold_report is not None:

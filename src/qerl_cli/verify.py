@@ -3,7 +3,13 @@
 Checks (numbered as in the report):
 
 1. **projections** — every packed linear (kernel on CUDA, pure-torch reference elsewhere) against an fp32
-   product with the quant checkpoint's dequantized weight, on fixed-seed random inputs at several M.
+   product with the quant checkpoint's dequantized weight, on fixed-seed random inputs at several M (chosen
+   to reach each of the kernel's small-M instances: M <= 8, 8 < M <= 16, 16 < M <= 32, 32 < M <= 64, and its
+   dequantize + cuBLAS path above), both ways: the forward ``x @ W^T`` and the transposed product ``g @ W``
+   that the training backward runs through the frozen backbone (the module's autograd, i.e.
+   ``kernel.linear_t`` on CUDA). The same for the fused q/k/v and gate/up products the rollout engine builds
+   (one packed linear over the members' concatenated records, :class:`qerl_cli.engine._Fused`). Zero linears
+   checked is a failure, not a vacuous pass.
 2. **model** — logits of the whole packed model against the dequantized reference model on fixed prompts:
    max / mean absolute difference and top-1 agreement.
 3. **round trip** — the packed bytes unpack to exactly the quant checkpoint's codes, scales and global scales,
@@ -30,6 +36,7 @@ from .packed_model import load_dequantized_model, load_packed_model, packed_inde
 @dataclass
 class VerifyConfig:
     batch_sizes: tuple[int, ...]
+    batch_sizes_t: tuple[int, ...]
     seed: int
     rel_tol_fp32: float
     rel_tol_bf16: float
@@ -42,8 +49,9 @@ class VerifyConfig:
 
     def __post_init__(self):
         problems = []
-        if not self.batch_sizes or any(m < 1 for m in self.batch_sizes):
-            problems.append("batch_sizes must be positive integers")
+        for f in ("batch_sizes", "batch_sizes_t"):
+            if not getattr(self, f) or any(m < 1 for m in getattr(self, f)):
+                problems.append(f"{f} must be positive integers")
         for f in ("rel_tol_fp32", "rel_tol_bf16", "logits_max_abs_fp32", "logits_mean_rel_bf16"):
             if not getattr(self, f) > 0:
                 problems.append(f"{f} must be positive")
@@ -65,8 +73,62 @@ def _backend_name(device: str) -> str:
         return "torch-reference"
 
 
+def _rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    err = float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+    return err if err == err else float("inf")
+
+
+def _check_product(name: str, mod, w: torch.Tensor, cfg: VerifyConfig, gen: torch.Generator, act_dtype,
+                   tol: float, fused: bool) -> dict:
+    """One packed module: forward ``x @ W^T (+ b)`` at each of ``batch_sizes`` and, through its autograd,
+    ``g @ W`` (the input gradient training takes through the frozen weight) at each of ``batch_sizes_t``, both
+    against fp32 products with ``w`` (dequantized from the quant checkpoint)."""
+    dev = w.device
+    worst = worst_t = 0.0
+    nan = False
+    for m in cfg.batch_sizes:
+        x = torch.randn(m, mod.in_features, generator=gen).to(dev, act_dtype)
+        with torch.no_grad():
+            y = mod(x)
+        ref = x.float() @ w.t()
+        if mod.bias is not None:
+            ref = ref + mod.bias.float()
+        nan |= not bool(torch.isfinite(y).all())
+        worst = max(worst, _rel_error(y, ref))
+    for m in cfg.batch_sizes_t:
+        x = torch.randn(m, mod.in_features, generator=gen).to(dev, act_dtype).requires_grad_(True)
+        g = torch.randn(m, mod.out_features, generator=gen).to(dev, act_dtype)
+        with torch.enable_grad():
+            (gx,) = torch.autograd.grad(mod(x), x, g)
+        nan |= not bool(torch.isfinite(gx).all())
+        worst_t = max(worst_t, _rel_error(gx, g.float() @ w))
+    return {"name": name, "shape": [mod.out_features, mod.in_features], "fused": fused, "max_rel_error": worst,
+            "max_rel_error_t": worst_t, "bound": tol, "nan": nan,
+            "passed": (not nan) and worst <= tol and worst_t <= tol}
+
+
+def _fused_groups(packed_model) -> list[tuple[str, list[str], object]]:
+    """(name, member names, fused module) of each q/k/v and gate/up group the rollout engine fuses: its own
+    construction (one PackedLinear over the members' concatenated tile records; the members become views of
+    that buffer, with unchanged values, as in the engine)."""
+    from .engine import FUSED_GROUPS, _Fused
+
+    layers = getattr(getattr(packed_model, "model", None), "layers", None) or []
+    out = []
+    for i, layer in enumerate(layers):
+        for parent, members in FUSED_GROUPS.values():
+            mods = [getattr(getattr(layer, parent, None), n, None) for n in members]
+            if any(m is None for m in mods) or not _Fused.possible(mods):
+                continue
+            full = [f"model.layers.{i}.{parent}.{n}" for n in members]
+            f = _Fused(mods, full)
+            out.append((f"model.layers.{i}.{parent}.{'+'.join(members)}", full, f.base))
+    return out
+
+
 def check_projections(packed_model, ref_tensors: dict[str, torch.Tensor], cfg: VerifyConfig) -> list[dict]:
-    """Check 1: each packed linear against x @ W_ref^T in fp32."""
+    """Check 1: each packed linear, and each fused group the engine builds, against fp32 products with the
+    checkpoint's dequantized weights (forward and transposed)."""
     from .packed_model import PackedLinear
 
     dev = torch.device(cfg.device)
@@ -75,28 +137,46 @@ def check_projections(packed_model, ref_tensors: dict[str, torch.Tensor], cfg: V
     rows = []
     mods = [(n, m) for n, m in packed_model.named_modules() if isinstance(m, PackedLinear)]
     gen = torch.Generator().manual_seed(cfg.seed)
-    for name, mod in ui.track(mods, "checking projections", enabled=cfg.progress):
+
+    def ref_weight(name: str) -> torch.Tensor | None:
         key = f"{name}.{names.CT_PACKED}"
         if key not in ref_tensors:
+            return None
+        return nvfp4.dequantize(nvfp4.unpack_nibbles(ref_tensors[key]), ref_tensors[f"{name}.{names.CT_SCALE}"],
+                                ref_tensors[f"{name}.{names.CT_GLOBAL}"]).to(dev)
+
+    groups = _fused_groups(packed_model)
+    group_of = {m: grp for grp in groups for m in grp[1]}
+    held: dict[str, torch.Tensor | None] = {}  # reference weights of fused members, until their group is checked
+    for name, mod in ui.track(mods, "checking projections", enabled=cfg.progress):
+        w = ref_weight(name)
+        if w is None:
             rows.append({"name": name, "passed": False, "problem": "not in the quant checkpoint"})
+        else:
+            rows.append(_check_product(name, mod, w, cfg, gen, act_dtype, tol, fused=False))
+        grp = group_of.get(name)
+        if grp is None:
             continue
-        w = nvfp4.dequantize(nvfp4.unpack_nibbles(ref_tensors[key]), ref_tensors[f"{name}.{names.CT_SCALE}"],
-                             ref_tensors[f"{name}.{names.CT_GLOBAL}"]).to(dev)
-        worst = 0.0
-        nan = False
-        for m in cfg.batch_sizes:
-            x = torch.randn(m, mod.in_features, generator=gen).to(dev, act_dtype)
-            with torch.no_grad():
-                y = mod(x).float()
-            ref = x.float() @ w.t()
-            if mod.bias is not None:
-                ref = ref + mod.bias.float()
-            nan |= not bool(torch.isfinite(y).all())
-            err = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
-            worst = max(worst, err if err == err else float("inf"))
-        rows.append({"name": name, "shape": [mod.out_features, mod.in_features], "max_rel_error": worst,
-                     "bound": tol, "nan": nan, "passed": (not nan) and worst <= tol})
+        held[name] = w
+        gname, members, fmod = grp
+        if all(m in held for m in members):  # the group's last member: check the fused product
+            ws = [held.pop(m) for m in members]
+            if any(x is None for x in ws):
+                rows.append({"name": gname, "fused": True, "passed": False, "problem": "not in the quant checkpoint"})
+            else:
+                rows.append(_check_product(gname, fmod, torch.cat(ws), cfg, gen, act_dtype, tol, fused=True))
     return rows
+
+
+def projections_section(rows: list[dict], batch_sizes, batch_sizes_t, bound: float) -> dict:
+    """Check 1's report: passed only when at least one packed linear was checked and every row passed."""
+    section = {"batch_sizes": list(batch_sizes), "batch_sizes_t": list(batch_sizes_t), "bound": bound, "linears_checked": sum(1 for r in rows if not r.get("fused")),
+               "fused_checked": sum(1 for r in rows if r.get("fused")),
+               "passed": bool(rows) and all(r["passed"] for r in rows), "layers": rows}
+    if not any(not r.get("fused") for r in rows):
+        section["problem"] = "no packed linear was checked"
+        section["passed"] = False
+    return section
 
 
 def check_model(packed_model, ref_model, tokenizer, cfg: VerifyConfig) -> dict:
@@ -169,6 +249,8 @@ def check_round_trip(packed_tensors: dict[str, torch.Tensor], index: dict, ref_t
         if g is None or not torch.equal(g.reshape(1), ref_tensors[f"{name}.{names.CT_GLOBAL}"].reshape(1)):
             problems.append(f"{name}: global scale differs")
         checked += 1
+    if not checked:
+        problems.append("no packed linear was checked")
     return {"linears_checked": checked, "problems": problems[:20], "n_problems": len(problems),
             "passed": not problems}
 
@@ -180,11 +262,15 @@ def print_report(report: dict) -> None:
     t.add_column("result")
     t.add_column("detail")
     proj = report["checks"]["1_projections"]
-    worst = max((r.get("max_rel_error", float("inf")) for r in proj["layers"]), default=0.0)
+    worst = max((max(r.get("max_rel_error", float("inf")), r.get("max_rel_error_t", 0.0)) for r in proj["layers"]),
+                default=float("nan"))
     failed = [r["name"] for r in proj["layers"] if not r["passed"]]
+    n_fused = sum(1 for r in proj["layers"] if r.get("fused"))
     t.add_row("1", "projections", _mark(proj["passed"]),
-              f"{len(proj['layers'])} layers x M={proj['batch_sizes']}; worst rel. error {worst:.2e} "
-              f"(bound {proj['bound']:.0e})" + (f"; failing: {', '.join(failed[:3])}" if failed else ""))
+              f"{len(proj['layers']) - n_fused} linears + {n_fused} fused groups: x W^T at M={proj['batch_sizes']}, "
+              f"g W at M={proj.get('batch_sizes_t')}; worst rel. error {worst:.2e} (bound {proj['bound']:.0e})"
+              + (f"; failing: {', '.join(failed[:3])}" if failed else "")
+              + (f"; {proj['problem']}" if proj.get("problem") else ""))
     m = report["checks"]["2_model"]
     t.add_row("2", "model logits", _mark(m["passed"]),
               f"{m['tokens']} tokens: max |d| {m['max_abs_diff']:.3e}, mean |d| {m['mean_abs_diff']:.3e}, "
@@ -237,8 +323,7 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
         report = {
             "backend": backend, "device": cfg.device,
             "checks": {
-                "1_projections": {"batch_sizes": list(cfg.batch_sizes), "bound": bound,
-                                  "passed": all(r["passed"] for r in rows), "layers": rows},
+                "1_projections": projections_section(rows, cfg.batch_sizes, cfg.batch_sizes_t, bound),
                 "2_model": model_check,
                 "3_round_trip": round_trip,
             },
