@@ -186,6 +186,11 @@ def test_calibrate_cached(calib_dir, tiny_model_dir, monkeypatch):
     art = calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), calib_dir, samples=6, seq_len=48,
                               field="question,answer", progress=False)
     assert calls == [] and art.kind == names.KIND_CALIB
+    assert art.config["search"] == calibrate.SEARCH_VERSION  # an earlier search's calib is not served
+    monkeypatch.setattr(calibrate, "SEARCH_VERSION", "qerl.awq/1")
+    with pytest.raises(QerlError, match="different"):
+        calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), calib_dir, samples=6, seq_len=48,
+                            field="question,answer", progress=False)
     with pytest.raises(QerlError, match="different"):
         calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), calib_dir, samples=5, seq_len=48,
                             field="question,answer", progress=False)

@@ -22,6 +22,8 @@ from safetensors.torch import load_file, save_file
 from . import artifact, awq, config, data, modelio, names, ui
 from .errors import QerlError
 
+SEARCH_VERSION = "qerl.awq/2"  # bump when the search's results change for the same inputs and config
+
 
 @dataclass
 class CalibrateConfig:
@@ -365,7 +367,10 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
         return {"groups": len(report), "mean_error_rtn": {k: sum(a for a, _ in v) / len(v) for k, v in by_type.items()},
                 "mean_error_awq": {k: sum(b for _, b in v) / len(v) for k, v in by_type.items()}}
 
-    art = artifact.run_stage(names.KIND_CALIB, output, config.as_dict(cfg), inputs, body, force=force)
+    # the search's version is part of the key: a calib from an earlier search (non-causal layers under eager
+    # attention, coupled errors in the producer's units) is recomputed, not served from the cache
+    art = artifact.run_stage(names.KIND_CALIB, output, config.as_dict(cfg) | {"search": SEARCH_VERSION}, inputs,
+                             body, force=force)
     print_summary(json.loads(art.file(names.CALIB_REPORT).read_text()))
     return art
 
