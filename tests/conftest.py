@@ -90,3 +90,23 @@ def tiny_pipeline(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     pack(root / "quant", root / "packed", progress=False)
     verify(root / "packed", root / "verify", progress=False, device="cpu")
     return {"model": tiny_model_dir, "quant": root / "quant", "packed": root / "packed", "verify": root / "verify"}
+
+
+def random_adapter(path: Path, scale: float = 0.3) -> Path:
+    """A PEFT LoRA adapter (rank 4, alpha 8) with random factors on q_proj and down_proj of both layers of the
+    tiny test model, written to the new directory ``path``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    t = {}
+    for i in range(2):
+        for mod, (n, k) in {"self_attn.q_proj": (64, 64), "mlp.down_proj": (64, 128)}.items():
+            key = f"base_model.model.model.layers.{i}.{mod}"
+            t[f"{key}.lora_A.weight"] = torch.randn(4, k, generator=g) * scale
+            t[f"{key}.lora_B.weight"] = torch.randn(n, 4, generator=g) * scale
+    save_file(t, str(path / "adapter_model.safetensors"))
+    return path

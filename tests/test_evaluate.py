@@ -6,10 +6,8 @@ import hashlib
 import json
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from conftest import SHARED_DATA, run_cli
+from conftest import SHARED_DATA, random_adapter, run_cli
 from qerl_cli import artifact, evaluate, names, report, stats
 from qerl_cli.errors import QerlError
 
@@ -22,24 +20,10 @@ def packed(tiny_pipeline):
     return root
 
 
-def _adapter(path, scale=1.0):
-    g = torch.Generator().manual_seed(0)
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
-    t = {}
-    for i in range(2):
-        for mod, (n, k) in {"self_attn.q_proj": (64, 64), "mlp.down_proj": (64, 128)}.items():
-            key = f"base_model.model.model.layers.{i}.{mod}"
-            t[f"{key}.lora_A.weight"] = torch.randn(4, k, generator=g) * scale
-            t[f"{key}.lora_B.weight"] = torch.randn(n, 4, generator=g) * scale
-    save_file(t, str(path / "adapter_model.safetensors"))
-    return path
-
-
 def test_adapter_is_applied_in_evaluation(packed, tmp_path):
     kw = dict(num_examples=4, max_new_tokens=8, progress=False)
     a = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "without", **kw)
-    b = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "with", adapter=_adapter(tmp_path / "ad"), **kw)
+    b = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "with", adapter=random_adapter(tmp_path / "ad", 1.0), **kw)
     ca = [json.loads(x)["samples"][0]["completion"] for x in a.file(names.EVAL_EXAMPLES).read_text().splitlines()]
     cb = [json.loads(x)["samples"][0]["completion"] for x in b.file(names.EVAL_EXAMPLES).read_text().splitlines()]
     assert ca != cb  # the adapter changed what the policy says

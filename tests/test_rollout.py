@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import SHARED_DATA, run_cli
+from conftest import SHARED_DATA, random_adapter, run_cli
 from qerl_cli import artifact, names, rollout, tasks
 from qerl_cli.errors import QerlError
 
@@ -245,20 +245,6 @@ def test_answer_checker_is_recorded_and_keyed(pipeline, tmp_path, monkeypatch):
     assert json.loads(b.file(names.ROLLOUT_META).read_text())["verifier"]["checker"]["name"] == "math-verify"
 
 
-def _random_adapter(path, scale=0.3):
-    g = torch.Generator().manual_seed(0)
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
-    t = {}
-    for i in range(2):
-        for mod, (n, k) in {"self_attn.q_proj": (64, 64), "mlp.down_proj": (64, 128)}.items():
-            key = f"base_model.model.model.layers.{i}.{mod}"
-            t[f"{key}.lora_A.weight"] = torch.randn(4, k, generator=g) * scale
-            t[f"{key}.lora_B.weight"] = torch.randn(n, 4, generator=g) * scale
-    save_file(t, str(path / "adapter_model.safetensors"))
-    return path
-
-
 def _teacher_forced(pipeline, art, sigma, seed, scope, adapter, temperature):
     """The recorded completions' tempered log-probs under our engine with the given noise draw and adapter."""
     from qerl_cli.adapter import load_lora
@@ -281,7 +267,7 @@ def test_hf_engine_samples_the_declared_policy(pipeline, tmp_path, scope):
     and records log-probs as the engine does: the tempered ones are untruncated (equal to our engine's
     teacher-forced log-probs under that same noise and adapter), the behaviour ones those of the top-p
     truncated distribution actually sampled from."""
-    ad = _random_adapter(tmp_path / "ad")
+    ad = random_adapter(tmp_path / "ad")
     art = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "ro", group=2, max_new_tokens=6, sigma=0.05,
                           seed=3, top_p=0.8, noise_scope=scope, adapter=ad, engine="hf", progress=False)
     t, tf = _teacher_forced(pipeline, art, 0.05, 3, scope, ad, 1.0)
@@ -324,7 +310,7 @@ def test_hf_policy_restores_the_clean_model(pipeline, tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     eng = Engine(model, "cpu")
     eng.set_noise(0.1, 7)
-    eng.set_adapter(load_lora(_random_adapter(tmp_path / "ad"), model))
+    eng.set_adapter(load_lora(random_adapter(tmp_path / "ad"), model))
     ids = torch.tensor([[1, 5, 9, 200]])
     with torch.no_grad():
         plain = model(ids).logits
