@@ -129,7 +129,8 @@ def test_failed_verify_blocks_rollout(pipeline, tmp_path):
 @pytest.mark.parametrize("text,expected", [
     ("The total is $1,080.00", "1080"), ("so the answer is\n#### 72", "72"),
     (r"we get \boxed{\frac{1}{2}}", "1/2"), ("It weighs 12 kg in total.", "12"), ("I do not know", None),
-    ("#### -3.50", "-7/2"),
+    ("#### -3.50", "-7/2"), ("so 9-2 = 7, and 7-2", "2"), (r"\boxed{x = 5}", "5"), ("the change is -4", "-4"),
+    ("x=-5", "-5"), ("a loss of (-12)", "-12"), ("#### 1,000", "1000"),
 ])
 def test_answer_extraction(text, expected):
     got = tasks.extract_answer(text)

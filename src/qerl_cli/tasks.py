@@ -14,7 +14,8 @@ from .errors import QerlError
 
 CORRECT, WRONG, UNPARSABLE, TRUNCATED = "correct", "wrong", "unparsable", "truncated"
 
-_NUM = r"-?\$?\s?\d[\d,]*(?:\.\d+)?"
+# a minus is a sign only where it does not follow a word character or a closing bracket ("9-2" ends in 2, not -2)
+_NUM = r"(?:(?<![\w.)\]])-)?\$?\s?\d[\d,]*(?:\.\d+)?"
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _HASHES = re.compile(r"####\s*(" + _NUM + r"(?:\s*/\s*\d+)?)")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*(" + _NUM + r"(?:\s*/\s*\d+)?)", re.IGNORECASE)
@@ -49,7 +50,9 @@ def extract_answer(completion: str) -> str | None:
     for pattern in (_BOXED, _HASHES, _ANSWER_IS):
         found = pattern.findall(completion)
         if found:
-            return found[-1].strip()
+            ans = found[-1].strip()
+            # \boxed{x = 5}: the value after the last "=" (an equation is not itself a number)
+            return ans.rsplit("=", 1)[-1].strip() if pattern is _BOXED and "=" in ans else ans
     nums = _ANY_NUM.findall(completion)
     return nums[-1].strip() if nums else None
 
@@ -124,7 +127,7 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
 
 # The reward function's identity (bump when the rules of ``score`` / ``extract_answer`` change): rollouts key
 # their cache on it with the gold answers, as the rewards depend on both.
-REWARD_FUNCTION = "qerl.tasks.score/1"
+REWARD_FUNCTION = "qerl.tasks.score/2"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5
 
 
 def verifier() -> dict:
