@@ -571,3 +571,56 @@ def test_sliding_window_attention_matches_hf_mistral():
         c = full.sequence_logprobs(prompts, b.completion_ids, b.completion_mask, 1.0, 0, group=2)
     torch.testing.assert_close(a, b.behaviour_logprobs, rtol=1e-4, atol=1e-4)
     assert (a - c).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_qwen3_qk_norm_matches_hf(fuse):
+    """Qwen3 normalizes each head of q and k before the rotary: sampled log-probs equal HF's forward of each
+    unpadded sequence, with the q/k/v projections separate or fused."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    conf = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2)
+    m = Qwen3ForCausalLM(conf).eval()
+    with torch.no_grad():  # trained-like q/k norm scales (a random model's are all 1)
+        for layer in m.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape))
+    prompts = [[5, 17, 33, 2, 99, 41, 7], [3, 4, 250]]
+    eng = Engine(m, fuse=fuse)
+    assert eng.qk_norm is not None and bool(eng.fused[0]) == fuse
+    b = eng.generate(prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=8), 0, set(), 0)
+    for r in range(b.rows):
+        p = prompts[r // 2]
+        seq = torch.tensor([p + b.completion_ids[r].tolist()])
+        with torch.no_grad():
+            lp = torch.log_softmax(m(seq).logits[0, len(p) - 1:-1].float(), -1)
+        ref = lp.gather(-1, b.completion_ids[r][:, None]).squeeze(-1)
+        torch.testing.assert_close(b.behaviour_logprobs[r], ref, rtol=1e-4, atol=1e-4)
+    eng.qk_norm = None  # the same weights without the q/k norms: another function, so the test has teeth
+    with torch.no_grad():
+        c = eng.sequence_logprobs(prompts, b.completion_ids, b.completion_mask, 1.0, 0, group=2)
+    assert (c - b.behaviour_logprobs).abs().max() > 1e-2
+
+
+def test_qwen3_through_quantize_pack_verify_and_the_packed_engine(tmp_path, smollm2_tokenizer):
+    """A Qwen3 (q/k norms, explicit head_dim) goes through the pipeline: verify passes and the packed engine's
+    behaviour log-probs equal its teacher-forced ones, with q/k/v fused."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    conf = Qwen3Config(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2)
+    Qwen3ForCausalLM(conf).save_pretrained(str(tmp_path / "model"))
+    smollm2_tokenizer.save_pretrained(str(tmp_path / "model"))
+    quantize.quantize(str(tmp_path / "model"), tmp_path / "quant", progress=False)
+    pack.pack(tmp_path / "quant", tmp_path / "packed", progress=False)
+    assert verify.verify(tmp_path / "packed", tmp_path / "verify", progress=False).metrics["passed"]
+    pm = packed_model.load_packed_model(artifact.open_artifact(tmp_path / "packed", names.KIND_PACKED))
+    eng = Engine(pm, fuse=True)
+    assert eng.qk_norm is not None and "qkv" in eng.fused[0]
+    b = eng.generate([PROMPTS[0]], 2, SamplingConfig(temperature=1.0, max_new_tokens=6), 0, set(), PAD)
+    with torch.no_grad():
+        tf = eng.sequence_logprobs(b.prompt_ids, b.completion_ids, b.completion_mask, 1.0, PAD, group=2)
+    torch.testing.assert_close(tf, b.behaviour_logprobs, rtol=1e-4, atol=1e-4)

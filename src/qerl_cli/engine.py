@@ -40,7 +40,7 @@ import torch.utils.checkpoint
 from . import fused as _fk
 from .errors import QerlError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # Teacher-forced log-probs project at most this many logits at a time (fp32: 1 GiB).
 LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
@@ -415,6 +415,9 @@ class Engine:
         self.eps = c.rms_norm_eps
         self.window = _sliding_window(c)  # keys more than this many positions back are not attended to
         self.layers = list(model.model.layers)
+        # Qwen3: an RMSNorm over each head of q and of k before the rotary (per-layer q_norm / k_norm weights)
+        self.qk_norm = [(layer.self_attn.q_norm.weight.detach(), layer.self_attn.k_norm.weight.detach())
+                        for layer in self.layers] if hasattr(self.layers[0].self_attn, "q_norm") else None
         self.embed = model.model.embed_tokens
         self.final_norm = model.model.norm.weight.detach()
         self.lm_head = model.lm_head
@@ -632,22 +635,29 @@ class Engine:
         b, t, _ = x.shape
         attn, pre = self.layers[i].self_attn, f"model.layers.{i}."
         f = self.fused[i].get("qkv")
-        if kernels and f is not None and cache is not None and self.head_dim % 16 == 0:
+        qkn = self.qk_norm[i] if self.qk_norm is not None else None
+        if kernels and f is not None and cache is not None and self.head_dim % 16 == 0 and qkn is None:
             kc, vc = cache[i]
             q = _fk.rope_kv(self._fused_out(f, x), cos, sin, kc, vc, slots[:1], self.n_heads)
             k, v = kc, vc
         elif f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
             y = self._fused_out(f, x)
             nq, nk, _ = f.sizes
-            qk = ops.rope1(y[..., : nq + nk].view(b, t, self.n_heads + self.n_kv, self.head_dim),
-                           cos.unsqueeze(2), sin.unsqueeze(2))
+            qk = y[..., : nq + nk].view(b, t, self.n_heads + self.n_kv, self.head_dim)
+            if qkn is not None:
+                qk = torch.cat([_rms_norm(qk[:, :, : self.n_heads], qkn[0], self.eps),
+                                _rms_norm(qk[:, :, self.n_heads:], qkn[1], self.eps)], 2)
+            qk = ops.rope1(qk, cos.unsqueeze(2), sin.unsqueeze(2))
             q, k = qk[:, :, : self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:].transpose(1, 2)
             v = y[..., nq + nk:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         else:
             q, k, v = (self._linear(m, pre + "self_attn." + n, x) for m, n in
                        ((attn.q_proj, "q_proj"), (attn.k_proj, "k_proj"), (attn.v_proj, "v_proj")))
-            q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-            k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            q = q.reshape(b, t, self.n_heads, self.head_dim)
+            k = k.reshape(b, t, self.n_kv, self.head_dim)
+            if qkn is not None:
+                q, k = _rms_norm(q, qkn[0], self.eps), _rms_norm(k, qkn[1], self.eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = ops.rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         if cache is not None:
