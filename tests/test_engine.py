@@ -543,6 +543,17 @@ def test_fused_add_norm_takes_fp32_scales_through_torch_ops():
                                     .to(torch.bfloat16))
 
 
+def _assert_behaviour_equals_hf(model, prompts: list[list[int]], b) -> None:
+    """Each row's behaviour log-probs (T = 1, no truncation) equal HF's forward of its unpadded sequence."""
+    for r in range(b.rows):
+        p = prompts[r // b.group]
+        seq = torch.tensor([p + b.completion_ids[r].tolist()])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(seq).logits[0, len(p) - 1:-1].float(), -1)
+        ref = lp.gather(-1, b.completion_ids[r][:, None]).squeeze(-1)
+        torch.testing.assert_close(b.behaviour_logprobs[r], ref, rtol=1e-4, atol=1e-4)
+
+
 def test_sliding_window_attention_matches_hf_mistral():
     """A Mistral whose window is shorter than the sequence: keys further back than the window are masked, as in
     HF (teacher-forced and sampled log-probs agree with HF's forward of each unpadded sequence)."""
@@ -557,13 +568,7 @@ def test_sliding_window_attention_matches_hf_mistral():
     eng = Engine(m)
     assert eng.window == 4
     b = eng.generate(prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=8), 0, set(), 0)
-    for r in range(b.rows):
-        p = prompts[r // 2]
-        seq = torch.tensor([p + b.completion_ids[r].tolist()])
-        with torch.no_grad():
-            lp = torch.log_softmax(m(seq).logits[0, len(p) - 1:-1].float(), -1)
-        ref = lp.gather(-1, b.completion_ids[r][:, None]).squeeze(-1)
-        torch.testing.assert_close(b.behaviour_logprobs[r], ref, rtol=1e-4, atol=1e-4)
+    _assert_behaviour_equals_hf(m, prompts, b)
     full = Engine(m)
     full.window = None  # the same weights attending to everything: a different function, so the test has teeth
     with torch.no_grad():
@@ -591,13 +596,7 @@ def test_qwen3_qk_norm_matches_hf(fuse):
     eng = Engine(m, fuse=fuse)
     assert eng.qk_norm is not None and bool(eng.fused[0]) == fuse
     b = eng.generate(prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=8), 0, set(), 0)
-    for r in range(b.rows):
-        p = prompts[r // 2]
-        seq = torch.tensor([p + b.completion_ids[r].tolist()])
-        with torch.no_grad():
-            lp = torch.log_softmax(m(seq).logits[0, len(p) - 1:-1].float(), -1)
-        ref = lp.gather(-1, b.completion_ids[r][:, None]).squeeze(-1)
-        torch.testing.assert_close(b.behaviour_logprobs[r], ref, rtol=1e-4, atol=1e-4)
+    _assert_behaviour_equals_hf(m, prompts, b)
     eng.qk_norm = None  # the same weights without the q/k norms: another function, so the test has teeth
     with torch.no_grad():
         c = eng.sequence_logprobs(prompts, b.completion_ids, b.completion_mask, 1.0, 0, group=2)
