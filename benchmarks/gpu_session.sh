@@ -35,6 +35,9 @@
 #   16                             session 9: build, the small-M variants VARIANTS side by side with cuBLAS and auto
 #                                  (ab_kernel.py --variants) at MS (default 1,8,16), then TESTS (default: the
 #                                  kernel's GPU tests)
+#   21                             session 10 (prepared): build, the stream-K kernel's GPU tests now reaching M = 64,
+#                                  VARIANTS (default default,alt,v2,v2w8) beside cuBLAS at MS (default 32,40,64), the
+#                                  7B-shape NVFP4 rollout at batch 8 and 64 per kernel variant (RVARIANTS, auto,v2w8)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -66,7 +69,7 @@ lora_rollout() {
   stamp "$2" "7B LoRA rollout bench done"
 }
 
-case "${1:?part 1, 2, 3, 4, 5, 6, 7, 8 or 9}" in
+case "${1:?part 1 to 21 (see above)}" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 6 "kernels built"
@@ -177,6 +180,22 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     ${TESTS:-tests/test_kernel.py} 2>&1 | tail -12 | tee "$OUT/gpu_tests_kernel.log"
   stamp 16 "GPU tests done"
+  ;;
+21)
+  # session 10's prepared stream-K kernel at 16 < M <= 64 (forced v2 / v2w8; auto unchanged): build, its GPU tests
+  # (TESTS), VARIANTS beside cuBLAS and auto at MS, then the per-variant 7B rollout (RVARIANTS) in what is left
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 21 "kernels built"
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_kernel.py -k v2} 2>&1 \
+    | tail -12 | tee "$OUT/gpu_tests_v2.log"
+  stamp 21 "GPU tests done"
+  timeout 200 python3 benchmarks/ab_kernel.py --variants ${VARIANTS:-default,alt,v2,v2w8} --ms ${MS:-32,40,64} \
+    --json "$OUT/ab_variants.json" 2>&1 | grep -v Warning | tee "$OUT/ab_variants.log"
+  stamp 21 "variants done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 \
+    --kernel-variants ${RVARIANTS:-auto,v2w8} --json "$OUT/rollout_variants.json" 2>&1 \
+    | tee "$OUT/bench_rollout_variants.log" | grep -v '^{'
+  stamp 21 "rollout per variant done"
   ;;
 8)
   build; stamp 8 "kernels built"

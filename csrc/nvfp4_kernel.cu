@@ -822,12 +822,17 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
   X(4, 4, 2, 4, 1, 2)             \
   X(8, 2, 2, 4, 1, 2)
 
-// the stream-K kernel: v2 (4 warps, set_variant(2)) and v2w8 (8 warps, set_variant(4)), each for M <= 8 and M <= 16
+// the stream-K kernel: v2 (4 warps, set_variant(2)) and v2w8 (8 warps, set_variant(4)), each for M <= 8, 16, 32
+// and 64 (the last two since session 10, forced only: not measured yet)
 #define QERL_MMA_V2_CONFIGS(X) \
   X(1, 1, 4, 8, 2, 5, 4)          \
   X(2, 1, 4, 8, 2, 4, 4)          \
+  X(4, 1, 4, 8, 1, 3, 4)          \
+  X(8, 1, 2, 4, 1, 3, 4)          \
   X(1, 1, 4, 8, 2, 2, 8)          \
-  X(2, 1, 4, 8, 2, 2, 8)
+  X(2, 1, 4, 8, 2, 2, 8)          \
+  X(4, 1, 4, 8, 1, 2, 8)          \
+  X(8, 1, 2, 4, 1, 2, 8)
 
 #ifdef QERL_NO_TORCH
 // explicit instances for a stand-alone `nvcc -Xptxas -v` resource report
@@ -877,7 +882,7 @@ static int g_fixup = [] {
 // 13.1 against 14.3; M = 16: 7B gate_up 33.8 against 35.6); M = 4 was a wash.
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
-static int64_t g_last_split = 0;      // the last launch's K split, negative when reduced in a cluster
+static int64_t g_last_split = 0;  // the last launch's K split, negative when reduced in a cluster (0: stream-K, v2)
 
 // Variant 3 ("auto", the default) picks the small-M kernel per shape from the H200 measurements in
 // benchmarks/results/kernel_*_h200.json: the stream-K v2 kernel (4 or 8 warps per block) for the large weights
@@ -1150,6 +1155,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
                                    gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
                                    wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M)));
+  g_last_split = 0;
 }
 
 // x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous (+ bias [N] of x's dtype, added after the bf16
@@ -1184,15 +1190,20 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
   TORCH_CHECK(M <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
   const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
-  // variant 0 (default) / 1 (alternative) per M range; variant 2: the stream-K kernel for M <= 16 (larger M as
-  // variant 0); variant 3 (auto): one of them per shape (auto_variant)
+  // variant 0 (default) / 1 (alternative) per M range; variants 2 / 4: the stream-K kernel with 4 / 8 warps per
+  // block for M <= 64 (larger M as variant 0); variant 3 (auto): one of them per shape (auto_variant: the stream-K
+  // kernel at M <= 16 only, where it was measured)
   const int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
-  if (variant == 2 && M <= 16) {
+  if (variant == 2 && M <= kSliceTokens) {
     if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (variant == 4 && M <= 16) {  // v2 with 8 warps per block: the staged activations serve 128 rows
+    else if (M <= 16) launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else if (M <= 32) launch_mma_v2<4, 1, 4, 8, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<8, 1, 2, 4, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+  } else if (variant == 4 && M <= kSliceTokens) {  // v2 with 8 warps per block: the staged activations serve 128 rows
     if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<2, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else if (M <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else if (M <= 32) launch_mma_v2<4, 1, 4, 8, 1, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
+    else launch_mma_v2<8, 1, 2, 4, 1, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
   } else if (M <= 8) {
     if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
     else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
@@ -1262,14 +1273,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_cluster_max_m", [] { return qerl::g_cluster_max_m; });
   m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
   m.def("last_split", [] { return qerl::g_last_split; },
-        "K split of the last small-M mma launch (v1 kernel), negative when reduced in a cluster");
+        "K split of the last small-M mma launch (v1 kernel), negative when reduced in a cluster; 0 after a stream-K "
+        "(v2) launch");
   m.def("linear_t_out", &qerl::linear_t_out, "g @ W into out");
   m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
   m.def("choose_path", &qerl::choose_path, "the path linear_out takes for bf16 x of M rows: 0 mma, 1 dequant+cuBLAS");
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
   m.def("set_variant", &qerl::set_variant,
-        "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 16, 3 auto (per shape), "
+        "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 64, 3 auto (per shape), "
         "4 v2 with 8 warps per block");
   m.def("get_variant", &qerl::get_variant);
   m.def("auto_variant", [](int64_t m, int64_t n, int64_t k) { return (int64_t)qerl::auto_variant(m, n, k); },

@@ -300,7 +300,8 @@ def test_gpu_path_choice():
 @pytest.mark.parametrize("n,k", [(3584, 18944), (7168, 5120), (5000, 64)])
 def test_gpu_v2_fixups_bit_identical(n, k):
     """The v2 kernels' two stream-K fixups (batched: 4 elements x 8 slots in flight; serial: one element, four
-    slots) add the same partials in the same order: bit-identical outputs, at every M, both warp counts."""
+    slots) add the same partials in the same order: bit-identical outputs, at every M up to 64 (the stream-K
+    kernel ran: ``last_split`` 0), both warp counts."""
     _need_kernel()
     ext = kernel._load()
     before = kernel.variant()
@@ -308,13 +309,14 @@ def test_gpu_v2_fixups_bit_identical(n, k):
     try:
         for v in ("v2", "v2w8"):
             kernel.set_variant(v)
-            for m in (1, 2, 3, 8, 9, 16):
+            for m in (1, 2, 3, 8, 9, 16, 17, 32, 33, 64):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 outs = []
                 for mode in (1, 2, 0):
                     ext.set_fixup(mode)
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                     kernel.linear(x, qw, gs, n, k, out=out)
+                    assert int(ext.last_split()) == 0, (v, m)
                     outs.append(out)
                 torch.cuda.synchronize()
                 assert not torch.isnan(outs[0]).any() and rel_err(outs[0], ref_fp32(x, qw, gs, n, k)) <= 1e-2
@@ -329,12 +331,12 @@ def test_gpu_v2_fixups_bit_identical(n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(37888, 3584), (3584, 18944), (4608, 3584), (16, 64), (64, 4096), (5000, 64)])
 def test_gpu_v2_matches_default(n, k):
-    """v2 and the default kernel: same A fragments, only the fp32 summation order differs."""
+    """v2 and the default kernel: same A fragments, only the fp32 summation order differs (M up to 64)."""
     _need_kernel()
     before = kernel.variant()
     qw, gs = make_packed(n, k, device="cuda", seed=n + k)
     try:
-        for m in (1, 2, 7, 8, 9, 16):
+        for m in (1, 2, 7, 8, 9, 16, 17, 31, 33, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             outs = {}
             for v in ("default", "v2", "v2w8"):

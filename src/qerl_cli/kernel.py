@@ -37,7 +37,8 @@ Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 m
 ``ext.auto_variant(m, n, k)`` reports the choice). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in the
 environment (read when the extension loads) forces one: ``"default"`` is the original kernel, ``"alt"`` its
 alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
-tile) for M <= 16, ``"v2w8"`` the same with 8 warps per block (the activations staged once serve 128 rows).
+tile) for M <= 64 (``"auto"`` picks it at M <= 16 only: above, not measured yet), ``"v2w8"`` the same with 8
+warps per block (the activations staged once serve 128 rows).
 All read the same tile records and have the same op signatures.
 
 If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
@@ -166,7 +167,7 @@ def _variant_name(v: str) -> str:
 
 
 def variant() -> str:
-    """The small-M kernel variant in use: "auto" (per shape), "default", "alt" or "v2"."""
+    """The small-M kernel variant in use: "auto" (per shape), "default", "alt", "v2" or "v2w8"."""
     ext = _load()
     if ext is None:
         return _variant
@@ -175,7 +176,7 @@ def variant() -> str:
 
 
 def set_variant(v: str) -> None:
-    """Select the small-M kernel variant ("auto", "default", "alt" or "v2"), process-wide.
+    """Select the small-M kernel variant ("auto", "default", "alt", "v2" or "v2w8"), process-wide.
 
     Without a CUDA extension this only records the choice (the torch reference ignores it). Overrides
     ``QERL_KERNEL_VARIANT``."""
