@@ -4,7 +4,8 @@
 // the chain's (bit-exact for silu_mul and rope_kv; add_rmsnorm reduces the squares in another order, so its
 // normalizer can differ in the last fp32 bit and an output by one bf16 unit):
 //   * add_rmsnorm: s = bf16(h + d) (the residual, written out), x = bf16(float(s) * rstd * float(w)),
-//     rstd = rsqrt(mean(float(s)^2) + eps); w shared [H] or one row per group of rows; d optional.
+//     rstd = rsqrt(mean(float(s)^2) + eps); w shared [H] or one row per group of rows, bf16 or fp32 (AQN's
+//     noisy scales stay fp32: rounded to bf16, small draws would vanish); d optional.
 //   * silu_mul:    out = bf16(float(bf16(silu(float(g)))) * float(u)), g and u strided views of one fused
 //     gate/up output.
 //   * rope_kv:     from a fused q/k/v projection row, rotary (HF rotate_half convention:
@@ -49,15 +50,27 @@ __device__ __forceinline__ bf16 b(float x) { return __float2bfloat16_rn(x); }
 constexpr int kNormThreads = 256;
 constexpr int kNormChunks = 4;
 
+// eight scales as floats: bf16 scales (the clean norm weights) or fp32 ones (AQN's noisy draws)
+__device__ __forceinline__ void ld_scale8(const bf16* p, float (&o)[8]) {
+  const Vec8 v = ld8(p);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = f(v.v[j]);
+}
+__device__ __forceinline__ void ld_scale8(const float* p, float (&o)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], c = reinterpret_cast<const float4*>(p)[1];
+  o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = c.x, o[5] = c.y, o[6] = c.z, o[7] = c.w;
+}
+
+template <typename W>
 __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
-    const bf16* __restrict__ h, const bf16* __restrict__ d, const bf16* __restrict__ w, int64_t w_stride,
+    const bf16* __restrict__ h, const bf16* __restrict__ d, const W* __restrict__ w, int64_t w_stride,
     int rows_per_w, bf16* __restrict__ h_out, bf16* __restrict__ x_out, int width, float eps) {
   qerl_pdl::trigger();
   qerl_pdl::wait();
   const int64_t row = blockIdx.x;
   const bf16* hr = h + row * width;
   const bf16* dr = d ? d + row * width : nullptr;
-  const bf16* wr = w + (row / rows_per_w) * w_stride;
+  const W* wr = w + (row / rows_per_w) * w_stride;
   Vec8 s[kNormChunks];
   float ss = 0.f;
 #pragma unroll
@@ -89,10 +102,11 @@ __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
   for (int c = 0; c < kNormChunks; ++c) {
     const int i = (c * kNormThreads + threadIdx.x) * 8;
     if (i < width) {
-      const Vec8 wv = ld8(wr + i);
+      float wv[8];
+      ld_scale8(wr + i, wv);
       Vec8 o;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) o.v[j] = b(f(wv.v[j]) * (rstd * f(s[c].v[j])));
+      for (int j = 0; j < 8; ++j) o.v[j] = b(wv[j] * (rstd * f(s[c].v[j])));
       st8(x_out + row * width + i, o);
     }
   }
@@ -404,7 +418,13 @@ int blocks_for(int64_t threads, int per_block) { return static_cast<int>((thread
 void add_rmsnorm(const at::Tensor& h, const c10::optional<at::Tensor>& d, const at::Tensor& w, int64_t rows_per_w,
                  at::Tensor& h_out, at::Tensor& x_out, double eps) {
   check_bf16(h, "h");
-  check_bf16(w, "w");
+  const bool w32 = w.scalar_type() == at::kFloat;
+  if (w32) {
+    QERL_CHECK(w.is_cuda() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+               "qerl_fused: w must be a 16-byte aligned CUDA tensor");
+  } else {
+    check_bf16(w, "w");
+  }
   check_bf16(x_out, "x_out");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && x_out.sizes() == h.sizes() && x_out.is_contiguous(),
               "qerl_fused: add_rmsnorm needs contiguous [rows, width] h and x_out");
@@ -425,11 +445,21 @@ void add_rmsnorm(const at::Tensor& h, const c10::optional<at::Tensor>& d, const 
   }
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(h.device());
-  C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0,
-                                   c10::cuda::getCurrentCUDAStream().stream(), h.get_device(), cptr(h), dp, cptr(w),
-                                   w.dim() == 1 ? int64_t(0) : width,
-                                   static_cast<int>(w.dim() == 1 ? rows : rows_per_w), dp ? mptr(h_out) : nullptr,
-                                   mptr(x_out), static_cast<int>(width), static_cast<float>(eps)));
+  const int64_t w_stride = w.dim() == 1 ? int64_t(0) : width;
+  const int w_rows = static_cast<int>(w.dim() == 1 ? rows : rows_per_w);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (w32) {
+    C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel<float>, dim3(static_cast<unsigned>(rows)),
+                                     dim3(kNormThreads), 0, stream, h.get_device(), cptr(h), dp,
+                                     reinterpret_cast<const float*>(w.data_ptr()), w_stride, w_rows,
+                                     dp ? mptr(h_out) : nullptr, mptr(x_out), static_cast<int>(width),
+                                     static_cast<float>(eps)));
+  } else {
+    C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel<bf16>, dim3(static_cast<unsigned>(rows)),
+                                     dim3(kNormThreads), 0, stream, h.get_device(), cptr(h), dp, cptr(w), w_stride,
+                                     w_rows, dp ? mptr(h_out) : nullptr, mptr(x_out), static_cast<int>(width),
+                                     static_cast<float>(eps)));
+  }
 }
 
 // g, u: [rows, width] views with unit column stride and one shared row stride; out: [rows, width] contiguous

@@ -62,6 +62,28 @@ def test_add_norm_within_one_rounding(rows, width, per_row):
     assert s2 is s and torch.equal(x2, x)
 
 
+@pytest.mark.parametrize("rows,width,per_row", [(1, 576, False), (24, 3584, True), (64, 5120, False),
+                                                 (10, 8192, True)])
+def test_add_norm_reads_fp32_noisy_scales(rows, width, per_row):
+    """AQN's fp32 scales read by the kernel itself (no rounding to bf16): within one rounding of the fp32 value,
+    equal to the torch definition but for the order of the sum of squares, and a draw far below a bf16 unit
+    still changes the output."""
+    h, d = _rand(rows, 1, width, scale=4), _rand(rows, 1, width, scale=4)
+    clean = (1 + 0.1 * torch.randn(rows if per_row else 1, 1, width, device="cuda")).bfloat16()
+    w = clean.float() + 5e-4 * torch.randn(clean.shape, device="cuda")
+    clean, w = (clean, w) if per_row else (clean.view(width), w.view(width))
+    assert float((w.bfloat16() == clean).float().mean()) > 0.5  # rounded to bf16, most of the draw would vanish
+    s, x = fused.add_norm(h, d, w, 1e-5)
+    assert torch.equal(s, h + d)
+    ref = s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    assert float(((x.float() - ref).abs() - 2**-8 * ref.abs()).max()) <= 1e-6
+    _, x_torch = fused._add_norm_torch(h, d, w, 1e-5)
+    assert float(((x.float() - x_torch.float()).abs() - 2**-7 * x_torch.float().abs()).max()) <= 1e-6
+    assert float((x == x_torch).float().mean()) > 0.99
+    _, x_clean = fused.add_norm(h, d, clean, 1e-5)
+    assert float((x != x_clean).float().mean()) > 0.02
+
+
 @pytest.fixture(scope="module")
 def model():
     from transformers import LlamaConfig, LlamaForCausalLM

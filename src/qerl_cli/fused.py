@@ -3,8 +3,8 @@
 The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else torch's ops run):
 
 * ``add_norm(h, d, w, eps)`` -> ``(h + d, rmsnorm(h + d) * w)`` in one kernel (``d`` may be None: norm only);
-  ``w`` is ``[H]`` or one row per group of rows (``[R, 1, H]``, AQN's per-prompt-group noise); fp32 (AQN-noisy)
-  scales go through torch ops with the kernel's rounding (the kernel reads bf16 scales);
+  ``w`` is ``[H]`` or one row per group of rows (``[R, 1, H]``, AQN's per-prompt-group noise), bf16 or fp32
+  (AQN's noisy scales, kept fp32 so that small draws do not round away);
 * ``silu_mul(g, u)`` -> ``silu(g) * u`` on the strided halves of a fused gate/up output, one kernel;
 * ``rope_kv(y, cos, sin, kc, vc, slot0, n_heads)`` -> q with rotary applied ``[B, H, T, D]``; k (rotary
   applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
@@ -75,15 +75,15 @@ def build_error() -> str | None:
 def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h + d, rmsnorm(h + d) * w)`` for ``h, d [..., H]``; ``w`` ``[H]`` or ``[R, 1, H]`` with ``h`` ``[R, T, H]``."""
-    if w.dtype != h.dtype:  # fp32 (AQN-noisy) scales: torch ops, rounding as the kernel does
+    if not h.is_cuda or w.dtype not in (h.dtype, torch.float32):  # the kernel reads bf16 or fp32 (noisy) scales
         return _add_norm_torch(h, d, w, eps)
     width = h.shape[-1]
     h2 = h.reshape(-1, width)
     rows_per_w = 1
     if w.dim() == 1:
-        w2 = w.to(h.dtype)
+        w2 = w
     else:  # per-row weights [R, 1, H] for h [R, T, H]
-        w2 = w.reshape(-1, width).to(h.dtype)
+        w2 = w.reshape(-1, width)
         rows_per_w = h2.shape[0] // w2.shape[0]
     w2 = w2.contiguous()
     x = torch.empty_like(h2)
@@ -97,7 +97,7 @@ def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: floa
 
 def _add_norm_torch(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_norm`` in torch ops for scales of another dtype than ``h`` (the kernel reads bf16 scales only):
+    """``add_norm`` in torch ops for scales the kernel does not read (neither ``h``'s dtype nor fp32):
     ``s = h + d`` rounded to ``h``'s dtype, ``x = round(float(w) * rstd * float(s))`` as the kernel rounds."""
     s = h if d is None else h + d
     f = s.float()
