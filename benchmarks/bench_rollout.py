@@ -82,8 +82,10 @@ def random_lora(model, rank: int) -> LoRA:
 
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
-                **engine_kw) -> dict:
+                sigma=0.0, noise_scope="batch", **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
+        eng.set_noise(sigma, 0, noise_scope, batch if noise_scope == "group" else 1, 1)
     if lora_rank:  # an adapter on every projection, as in training rollouts
         eng.set_adapter(random_lora(model, lora_rank))
         eng.batch_lora = batch_lora
@@ -193,6 +195,8 @@ def main() -> None:
     ap.add_argument("--lora-only", action="store_true",
                     help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
                          "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
+    ap.add_argument("--aqn", action="store_true",
+                    help="7B-shape NVFP4 rollouts with an AQN draw: fp32-scale norm kernel against torch norms")
     ap.add_argument("--kernel-variants", default=None,
                     help="comma-separated small-M kernel variants (qerl_cli.kernel.VARIANTS): 7B shapes, NVFP4 "
                          "only, batch 8 and 64, each variant forced in turn (one packed model, one process)")
@@ -233,7 +237,9 @@ def main() -> None:
     # (b) Qwen2.5-7B shapes, random weights
     gc.collect()
     torch.cuda.empty_cache()
-    if args.kernel_variants:
+    if args.aqn:
+        aqn_part(result, rows, save)
+    elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.lora_only:
         lora_part(result, rows, save)
@@ -285,6 +291,35 @@ def without_pdl(fn):
         return fn()
     finally:
         kernel.set_pdl(True)
+
+
+def aqn_part(result, rows, save) -> None:
+    """What an AQN draw costs the 7B-shape NVFP4 rollout at batch 8 and 64: no noise, sigma 1e-3 per batch and per
+    prompt with the fused add + RMSNorm kernel reading the fp32 noisy scales, and the same with those norms in
+    torch ops (main's fallback before the kernel read fp32 scales)."""
+    from qerl_cli import fused
+
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    kernel_add_norm = fused.add_norm
+    for batch in (8, 64):
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
+                     **time_engine(big, batch, 256, 512, 152064)})
+        save()
+        for scope in ("batch", "group"):
+            for kern in (True, False):
+                fused.add_norm = kernel_add_norm if kern else (
+                    lambda h, d, w, eps: fused._add_norm_torch(h, d, w, eps) if w.dtype != h.dtype
+                    else kernel_add_norm(h, d, w, eps))
+                try:
+                    r = time_engine(big, batch, 256, 512, 152064, sigma=1e-3, noise_scope=scope)
+                finally:
+                    fused.add_norm = kernel_add_norm
+                rows.append({"model": "Qwen2.5-7B-shape", "batch": batch,
+                             "engine": f"ours-nvfp4 AQN {scope} " + ("fp32-scale kernel" if kern else "torch norms"),
+                             **r})
+                save()
 
 
 def variants_part(result, rows, save, names: list[str]) -> None:

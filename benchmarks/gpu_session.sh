@@ -38,6 +38,21 @@
 #   21                             session 10 (prepared): build, the stream-K kernel's GPU tests now reaching M = 64,
 #                                  VARIANTS (default default,alt,v2,v2w8) beside cuBLAS at MS (default 32,40,64), the
 #                                  7B-shape NVFP4 rollout at batch 8 and 64 per kernel variant (RVARIANTS, auto,v2w8)
+#   22                             session 10 (prepared, branch decode-attn): build, the decode attention kernel's GPU
+#                                  tests with the fused and engine ones, bench_decode_attn.py (against SDPA alone),
+#                                  the 7B-shape rollout with and without it at batch 8 and 64
+#   23                             (branch next-gpu: v2-m64 and decode-attn together) parts 21 and 22 in two calls on
+#                                  one machine: `bash benchmarks/gpu_session.sh 23` (build, both sets of GPU tests,
+#                                  the variants at M = 32-64, attention alone), then `... 23b` at once (the rollouts);
+#                                  session 11 added the fp32-scale add + RMSNorm kernel (branch norm-fp32; its test
+#                                  is in test_fused_gpu.py, run by 23) and `... 23c`: the AQN rollouts (noise on,
+#                                  the fp32-scale kernel against torch norms)
+#   24 / 24b                       session 12 (branch next-gpu; 22-24 need its decode attention kernel, which stayed
+#                                  on its branch): 23-23c in two calls on one warm machine
+#   25                             session 12, main: build, the v2-vs-default and calibrate GPU tests, the AQN
+#                                  rollouts, the variants at M = 32-64, the 7B rollout per variant (auto, v2w8)
+#   26                             session 12, main: build, every GPU test file, then the 7B-shape rollout at batch
+#                                  8 and 64 under auto (the rules of session 12)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -69,7 +84,7 @@ lora_rollout() {
   stamp "$2" "7B LoRA rollout bench done"
 }
 
-case "${1:?part 1 to 21 (see above)}" in
+case "${1:?part 1 to 23 (see above)}" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 6 "kernels built"
@@ -196,6 +211,115 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     --kernel-variants ${RVARIANTS:-auto,v2w8} --json "$OUT/rollout_variants.json" 2>&1 \
     | tee "$OUT/bench_rollout_variants.log" | grep -v '^{'
   stamp 21 "rollout per variant done"
+  ;;
+22)
+  # session 10's prepared decode attention kernel (branch decode-attn): build, its GPU tests and the fused / engine
+  # ones, the kernel against SDPA alone, then the 7B-shape rollout with and without it (batch 8 and 64)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 22 "kernels built"
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf ${TESTS:-tests/test_decode_attn_gpu.py \
+    tests/test_fused_gpu.py tests/test_engine_gpu.py} 2>&1 | tail -12 | tee "$OUT/gpu_tests_decode_attn.log"
+  stamp 22 "GPU tests done"
+  timeout 90 python3 benchmarks/bench_decode_attn.py --json "$OUT/decode_attn.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/decode_attn.log"
+  stamp 22 "attention alone done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --decode-attn \
+    --json "$OUT/rollout_decode_attn.json" 2>&1 | tee "$OUT/bench_rollout_decode_attn.log" | grep -v '^{'
+  stamp 22 "rollout with and without done"
+  ;;
+23)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 23 "kernels built"
+  timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_kernel.py -k v2 2>&1 | tail -8 \
+    | tee "$OUT/gpu_tests_v2.log"
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_decode_attn_gpu.py \
+    tests/test_fused_gpu.py tests/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests_decode_attn.log"
+  stamp 23 "GPU tests done"
+  timeout 90 python3 benchmarks/bench_decode_attn.py --json "$OUT/decode_attn.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/decode_attn.log"
+  stamp 23 "attention alone done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/ab_kernel.py --variants default,alt,v2,v2w8 \
+    --ms 32,40,64 --json "$OUT/ab_variants.json" 2>&1 | grep -v Warning | tee "$OUT/ab_variants.log"
+  stamp 23 "variants done"
+  ;;
+23b)
+  build; stamp 23b "kernels loaded"
+  timeout 300 python3 benchmarks/bench_rollout.py --skip-smollm2 --decode-attn --json "$OUT/rollout_decode_attn.json" \
+    2>&1 | tee "$OUT/bench_rollout_decode_attn.log" | grep -v '^{'
+  stamp 23b "decode attention rollouts done"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --kernel-variants auto,v2w8 \
+    --json "$OUT/rollout_variants.json" 2>&1 | tee "$OUT/bench_rollout_variants.log" | grep -v '^{'
+  stamp 23b "kernel-variant rollouts done"
+  ;;
+23c)
+  build; stamp 23c "kernels loaded"
+  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --aqn \
+    --json "$OUT/rollout_aqn.json" 2>&1 | tee "$OUT/bench_rollout_aqn.log" | grep -v '^{'
+  stamp 23c "AQN rollouts done"
+  ;;
+24)
+  # session 12: parts 23-23c in two calls on one machine. This call: build, the GPU tests (v2 stream-K, decode
+  # attention, fused incl. the fp32-scale norm, engine, calibrate, train, extension errors), verify's tests on
+  # CUDA (the kernel path of the fused / transposed checks), the attention kernel alone, the decode-attn rollouts
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 24 "kernels built"
+  timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_kernel.py -k "v2 or linear_t" 2>&1 \
+    | tail -6 | tee "$OUT/gpu_tests_kernel.log"
+  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_decode_attn_gpu.py tests/test_fused_gpu.py tests/test_engine_gpu.py tests/test_calibrate_gpu.py \
+    tests/test_train_gpu.py tests/test_extension_errors_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -rf tests/test_verify.py 2>&1 | tail -6 | tee -a "$OUT/gpu_tests.log"
+  stamp 24 "GPU tests done"
+  timeout 60 python3 benchmarks/bench_decode_attn.py --json "$OUT/decode_attn.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/decode_attn.log"
+  stamp 24 "attention alone done"
+  timeout $(( 575 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --decode-attn \
+    --json "$OUT/rollout_decode_attn.json" 2>&1 | tee "$OUT/bench_rollout_decode_attn.log" | grep -v '^{'
+  stamp 24 "decode attention rollouts done"
+  ;;
+24b)
+  # call it at once after 24 (warm machine, extensions cached): AQN rollouts (fp32-scale kernel vs torch norms),
+  # the kernel-variant rollouts, then the variants alone at M = 32-64
+  build; stamp 24b "kernels loaded"
+  timeout 200 python3 benchmarks/bench_rollout.py --skip-smollm2 --aqn --json "$OUT/rollout_aqn.json" 2>&1 \
+    | tee "$OUT/bench_rollout_aqn.log" | grep -v '^{'
+  stamp 24b "AQN rollouts done"
+  timeout 200 python3 benchmarks/bench_rollout.py --skip-smollm2 --kernel-variants auto,v2w8 \
+    --json "$OUT/rollout_variants.json" 2>&1 | tee "$OUT/bench_rollout_variants.log" | grep -v '^{'
+  stamp 24b "kernel-variant rollouts done"
+  timeout $(( 575 - $(date +%s) + t0 )) python3 benchmarks/ab_kernel.py --variants default,alt,v2,v2w8 \
+    --ms 32,40,64 --json "$OUT/ab_variants.json" 2>&1 | grep -v Warning | tee "$OUT/ab_variants.log"
+  stamp 24b "variants done"
+  ;;
+25)
+  # session 12, second machine: build, the fixed v2-vs-default test and calibrate on CUDA with whole tracebacks,
+  # the AQN rollouts (fp32-scale norm kernel vs torch norms), the variants at M = 32-64, the variant rollouts
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 25 "kernels built"
+  COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_kernel.py -k "v2_matches_default" > "$OUT/gpu_tests.log" 2>&1
+  COLUMNS=200 timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_calibrate_gpu.py \
+    >> "$OUT/gpu_tests.log" 2>&1; tail -n 40 "$OUT/gpu_tests.log"
+  stamp 25 "GPU tests done"
+  timeout 170 python3 benchmarks/bench_rollout.py --skip-smollm2 --aqn --json "$OUT/rollout_aqn.json" 2>&1 \
+    | tee "$OUT/bench_rollout_aqn.log" | grep -v '^{'
+  stamp 25 "AQN rollouts done"
+  timeout 120 python3 benchmarks/ab_kernel.py --variants default,alt,v2,v2w8 --ms 32,40,64 \
+    --json "$OUT/ab_variants.json" 2>&1 | grep -v Warning | tee "$OUT/ab_variants.log"
+  stamp 25 "variants done"
+  timeout $(( 580 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --kernel-variants auto,v2w8 \
+    --json "$OUT/rollout_variants.json" 2>&1 | tee "$OUT/bench_rollout_variants.log" | grep -v '^{'
+  stamp 25 "kernel-variant rollouts done"
+  ;;
+26)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 26 "kernels built"
+  COLUMNS=200 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_fused_gpu.py tests/test_engine_gpu.py tests/test_calibrate_gpu.py tests/test_train_gpu.py \
+    tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 30 "$OUT/gpu_tests.log"
+  stamp 26 "GPU tests done"
+  timeout $(( 580 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --kernel-variants auto \
+    --json "$OUT/rollout_auto.json" 2>&1 | tee "$OUT/bench_rollout_auto.log" | grep -v '^{'
+  stamp 26 "7B rollouts done"
   ;;
 8)
   build; stamp 8 "kernels built"

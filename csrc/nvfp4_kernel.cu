@@ -891,7 +891,6 @@ static int64_t g_last_split = 0;  // the last launch's K split, negative when re
 constexpr int64_t kV2MinWeights = 100000000;
 constexpr int64_t kV2MinRows = 5120;  // session 5: v2 also wins on the 32B q/k/v, o and down shapes (N >= 5120)
 constexpr int64_t kV2W8MinWeights = 60000000;
-constexpr int64_t kAltMinWeightsAbove32 = 140000000;  // 32B down (1.42e8) and gate/up; not 7B gate/up (1.36e8)
 // session 6 (benchmarks/results/kernel_s6b_h200.json, with the cluster split-K): v2 with 8 warps per block is
 // the fastest at M <= 8 on every weight of >= 6e7 entries (7B gate_up 28.6 vs 31.3 us and down 21.7 vs 24.0 at
 // M = 8; 32B gate_up 49.2 vs 53.6, down 31.5 vs 33.3) and at 8 < M <= 16 on the wide ones (gate_up: 38.3 vs 41.7
@@ -918,10 +917,14 @@ static int auto_variant(int64_t M, int64_t N, int64_t K) {
     if (N * K >= kV2W8MinWeights) return 4;
     return (N >= kV2MinRows && N > K) ? 0 : 1;
   }
-  // two row blocks per warp above M = 32: faster on the 32B gate/up and down at M = 64 (session 9,
-  // ab_variants_m64b_s9_h200.json: 162.9 against 176.3 us, 105.7 against 119.3), slower on the 7B gate/up (106.5
-  // against 99.7 at M = 64, 96.3 against 86.2 at M = 40; session 5 had measured alt 8-15 % faster there)
-  if (M > 32 && N * K >= kAltMinWeightsAbove32) return 1;
+  // 16 < M <= 64 (session 12, benchmarks/results/s12b_ab_variants.json, every variant forced in one process at
+  // M = 32, 40, 64): the stream-K kernel wins on every weight of >= 6e7 entries. With 8 warps per block on those of
+  // >= 1e8 (7B gate/up 48.7 / 69.1 / 79.4 us against 60.6 / 81.1 / 100.5 for default; 32B gate/up 84.0 / 127.2 /
+  // 148.2 against 103.7 / 149.0 / 167.5 for the best v1; 32B down 48.4 / 70.7 / 80.3 against 51.0 / 87.4 / 105.2),
+  // with 4 below (7B down 34.0 / 42.5 / 52.4 against 36.7 / 45.4 / 57.1; v2w8 35.8 / 46.6 / 58.4). Smaller weights
+  // keep the v1 kernel (from M = 33 dequantize + cuBLAS, choose_path).
+  if (N * K >= kV2MinWeights) return 4;
+  if (N * K >= kV2W8MinWeights) return 2;
   return 0;
 }
 
@@ -1191,8 +1194,7 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   TORCH_CHECK(M <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
   const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
   // variant 0 (default) / 1 (alternative) per M range; variants 2 / 4: the stream-K kernel with 4 / 8 warps per
-  // block for M <= 64 (larger M as variant 0); variant 3 (auto): one of them per shape (auto_variant: the stream-K
-  // kernel at M <= 16 only, where it was measured)
+  // block for M <= 64 (larger M as variant 0); variant 3 (auto): one of them per shape (auto_variant)
   const int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
   if (variant == 2 && M <= kSliceTokens) {
     if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);

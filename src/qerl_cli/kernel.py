@@ -32,12 +32,12 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (at M <= 8:
 ``"v2w8"`` for weights of >= 6e7 entries, for smaller ones of >= 5120 rows ``"v2"`` if wide (N > K) and
 ``"v2w8"`` otherwise, ``"default"`` for the rest; at 8 < M <= 16: ``"v2w8"`` for weights of >= 6e7 entries,
-``"default"`` for smaller wide ones of >= 5120 rows, ``"alt"`` otherwise; above: ``"alt"`` for weights of
->= 1.4e8 entries at 32 < M <= 64, ``"default"`` otherwise; see ``auto_variant`` in the CUDA source;
+``"default"`` for smaller wide ones of >= 5120 rows, ``"alt"`` otherwise; at 16 < M <= 64: ``"v2w8"`` for
+weights of >= 1e8 entries, ``"v2"`` for those of >= 6e7, ``"default"`` otherwise; see ``auto_variant`` in the CUDA source;
 ``ext.auto_variant(m, n, k)`` reports the choice). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in the
 environment (read when the extension loads) forces one: ``"default"`` is the original kernel, ``"alt"`` its
 alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
-tile) for M <= 64 (``"auto"`` picks it at M <= 16 only: above, not measured yet), ``"v2w8"`` the same with 8
+tile) for M <= 64, ``"v2w8"`` the same with 8
 warps per block (the activations staged once serve 128 rows).
 All read the same tile records and have the same op signatures.
 
