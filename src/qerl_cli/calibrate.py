@@ -413,8 +413,8 @@ def relative_errors(row: dict) -> tuple[float, float]:
 
 def print_summary(report: dict) -> None:
     t = Table(title="qerl calibrate — output MSE per group (RTN vs AWQ, relative to output power)",
-              caption="in the unfolded model's units; q/k/v or gate/up may lose a little to RTN where the fold "
-                      "of o or down (searched first, with them) gains more: each pair's sum never loses")
+              caption="in the unfolded model's units; one group of a pair (o and q/k/v, down and gate/up, searched "
+                      "jointly) may lose a little to RTN where the other gains more, never the pair's sum")
     for c in ("layer", "group", "alpha", "clip", "RTN rel. err", "AWQ rel. err", "gain"):
         t.add_column(c, justify="right")
     for r in report["groups"]:
