@@ -110,3 +110,50 @@ def random_adapter(path: Path, scale: float = 0.3) -> Path:
             t[f"{key}.lora_B.weight"] = torch.randn(n, 4, generator=g) * scale
     save_file(t, str(path / "adapter_model.safetensors"))
     return path
+
+
+def check_calib_report(groups: list[dict], tol: float = 1e-6) -> None:
+    """Assert what a calib report (``calib_report.json``'s ``groups``) guarantees, layer by layer, for the CPU
+    and the CUDA tests alike. All errors are in the unfolded model's units (rows a consumer's fold divided by
+    ``s_c`` weighted ``s_c^2``), so:
+
+    - a group searched alone (alpha = 0 and clip ratio 1.0 are candidates, 1.0 reproduces the unclipped
+      error) never ends above its own alpha = 0 error, ``error_alpha0``: round-to-nearest of its weights as
+      the earlier folds left them, which is ``error_rtn`` when no fold divided its rows;
+    - a consumer (o, down) searched with its producer (q/k/v, gate/up) minimizes their summed relative errors,
+      the producer's taken as it would be at the producer's alpha = 0: so the producer's ``error_alpha0`` is
+      the consumer's ``producer_error``, and the pair's summed relative error after AWQ is at most its sum
+      under RTN. Each member of a pair alone may lose a little to RTN (gate/up a 0.99x gain, say) when the
+      other gains more;
+    - ``ref_power_awq`` (final weights) equals ``ref_power_rtn`` (original weights): the folds keep the float
+      function and the row scales undo the producer's fold.
+    """
+    from qerl_cli.calibrate import relative_errors
+
+    layers: dict[int, dict[str, dict]] = {}
+    for r in groups:
+        layers.setdefault(r["layer"], {})[r["group"]] = r
+    for i, by in sorted(layers.items()):
+        producers = {r["producer"]: name for name, r in by.items() if "producer" in r}
+        for name, r in by.items():
+            at = f"layer {i}, group {name}, alpha {r['alpha']:g}"
+            assert r["ref_power_awq"] == pytest.approx(r["ref_power_rtn"], rel=1e-4), (
+                f"{at}: output power {r['ref_power_awq']:.6e} of the final weights != {r['ref_power_rtn']:.6e} "
+                f"of the original ones (not in the unfolded units?)")
+            if name not in producers:  # no fold divided its rows: alpha = 0 is round-to-nearest
+                assert r["error_alpha0"] == pytest.approx(r["error_rtn"], rel=tol), (
+                    f"{at}: alpha = 0 error {r['error_alpha0']:.6e} != RTN error {r['error_rtn']:.6e}")
+            if "producer" not in r:
+                assert r["error_awq"] <= r["error_alpha0"] * (1 + tol), (
+                    f"{at}: error_awq {r['error_awq']:.6e} > its alpha = 0 error {r['error_alpha0']:.6e} "
+                    f"(error_rtn {r['error_rtn']:.6e})")
+        for prod, cons in producers.items():
+            c, p = by[cons], by[prod]
+            at = f"layer {i}, {cons} (alpha {c['alpha']:g}) with its producer {prod} (alpha {p['alpha']:g})"
+            assert p["error_alpha0"] == pytest.approx(c["producer_error"], rel=tol), (
+                f"{at}: {prod}'s alpha = 0 error {p['error_alpha0']:.6e} != the producer term "
+                f"{c['producer_error']:.6e} of {cons}'s coupled search")
+            (rc, ac), (rp, ap) = relative_errors(c), relative_errors(p)
+            assert ac + ap <= (rc + rp) * (1 + tol), (
+                f"{at}: relative errors after AWQ {ac:.6e} + {ap:.6e} = {ac + ap:.6e} > under RTN "
+                f"{rc:.6e} + {rp:.6e} = {rc + rp:.6e}")

@@ -370,3 +370,126 @@ def test_coupled_search_measures_the_producer_error_in_the_consumers_units():
     best = cfg.alphas[min(range(len(want)), key=want.__getitem__)]
     assert res.alpha == best == 0.7
     assert cfg.alphas[min(range(len(old)), key=old.__getitem__)] == 0.5  # the old objective's (wrong) choice
+
+
+# ----------------------------------------------------------------------------------------------- row scales
+
+
+def _folded_producer_case(seed: int = 2):
+    """gate/up after down's fold divided up's rows by ``r`` (spanning 4 decades): returns (x, [gate, up],
+    [gate, up / r], r)."""
+    g = _gen(seed)
+    x = torch.randn(256, 64, generator=g) * torch.logspace(0, 1.5, 64)[torch.randperm(64, generator=g)]
+    gate, up = torch.randn(128, 64, generator=g) * 0.05, torch.randn(128, 64, generator=g) * 0.05
+    r = torch.logspace(-2, 2, 128)[torch.randperm(128, generator=g)]
+    return x, [gate, up], [gate, awq.fold_into_linear_output(up, r)], r
+
+
+def _direct_unfolded_error(x, original, folded, s, row_scale, ratios=None):
+    """Written out: ``((x/s) @ Q(W_f * s)^T) * r`` against ``x @ W^T`` (one shared G of the scaled set)."""
+    scaled = [w * s for w in folded]
+    g = nvfp4.fused_global_scale(scaled)
+    ratios = ratios or [1.0] * len(folded)
+    sse = 0.0
+    for w0, ws, r, c in zip(original, scaled, row_scale, ratios):
+        y = (x / s) @ awq.clipped_fake_quantize(ws, g, c).t()
+        sse += float(((y if r is None else y * r) - x @ w0.t()).double().square().sum())
+    return sse / (x.shape[0] * sum(w.shape[0] for w in original))
+
+
+def test_row_scale_none_or_ones_is_the_plain_error_bit_for_bit():
+    x, weights = _outlier_case(seed=4)
+    cfg = awq.AWQConfig(n_grid=6)
+    plain = awq.search_scales(x, weights, cfg)
+    for rs in ([None] * 3, [torch.ones(w.shape[0]) for w in weights]):
+        res = awq.search_scales(x, weights, cfg, row_scale=rs)
+        assert res.errors == plain.errors and res.ref_power == plain.ref_power and res.alpha == plain.alpha
+        assert awq.group_error(x, weights, plain.scales, row_scale=rs) == awq.group_error(x, weights, plain.scales)
+        assert awq.output_power(x, weights, rs) == awq.output_power(x, weights)
+        a, b = awq.search_clip(x, weights, plain.scales, cfg, rs), awq.search_clip(x, weights, plain.scales, cfg)
+        assert a.curve == b.curve and a.ratios == b.ratios and a.error == b.error
+
+
+def test_row_scale_measures_a_folded_group_in_the_unfolded_units():
+    """gate/up searched after down's fold divided up's rows by r: with ``row_scale`` every candidate's error is
+    the unfolded layer's output error, the output power is the unfolded one, and the choice is that error's
+    minimizer; on the folded weights alone (rows weighted 1) the search picks alpha 0.2, 10 % worse here."""
+    x, original, folded, r = _folded_producer_case()
+    cfg = awq.AWQConfig(n_grid=10)
+    res = awq.search_scales(x, folded, cfg, row_scale=[None, r])
+    stats = awq.activation_stats(x)
+    want = [_direct_unfolded_error(x, original, folded, awq.scales_from_stats(stats, a), [None, r])
+            for a in cfg.alphas]
+    assert res.errors == pytest.approx(want, rel=1e-4)
+    assert res.alpha == cfg.alphas[min(range(len(want)), key=want.__getitem__)] == 0.6
+    assert res.error_rtn == awq.group_error(x, folded, row_scale=[None, r])
+    assert res.ref_power == pytest.approx(awq.output_power(x, original), rel=1e-5)
+    assert awq.output_power(x, folded, [None, r]) == pytest.approx(awq.output_power(x, original), rel=1e-5)
+    folded_units = awq.search_scales(x, folded, cfg)
+    assert folded_units.alpha == 0.2  # the old objective's choice ...
+    assert want[cfg.alphas.index(0.2)] > 1.09 * res.error  # ... is worse in the layer's units
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_clip_search_with_row_scale(granularity):
+    """Clip ratios chosen in the unfolded units; ratio 1.0 reproduces the unclipped error exactly, so
+    clipping never makes the group worse in those units."""
+    x, original, folded, r = _folded_producer_case()
+    folded = [w * (1 + 5 * (torch.rand(w.shape, generator=_gen(1)) > 0.98)) for w in folded]  # worth clipping
+    original = [folded[0], folded[1] * r.unsqueeze(1)]
+    cfg = awq.AWQConfig(n_grid=10, clip_granularity=granularity)
+    res = awq.search_scales(x, folded, cfg, row_scale=[None, r])
+    clip = awq.search_clip(x, folded, res.scales, cfg, row_scale=[None, r])
+    assert clip.error_unclipped == clip.curve[1.0] == awq.group_error(x, folded, res.scales, row_scale=[None, r])
+    assert clip.error_unclipped == pytest.approx(res.error, rel=1e-9)
+    assert clip.error <= clip.error_unclipped
+    assert clip.error == pytest.approx(_direct_unfolded_error(x, original, folded, res.scales, [None, r],
+                                                              clip.ratios), rel=1e-4)
+    assert clip.error == pytest.approx(awq.group_error(x, folded, res.scales, clip.ratios, [None, r]), rel=1e-9)
+    plain = awq.search_clip(x, folded, res.scales, cfg)  # rows weighted 1: the folded units
+    if granularity == "row":  # a positive weight per row does not change each row's own argmin
+        assert clip.error < 0.95 * clip.error_unclipped
+        assert all(torch.equal(a, b) for a, b in zip(clip.ratios, plain.ratios))
+    else:  # but it changes a whole tensor's: up keeps 1.0 here, where the folded units clip it to 0.975
+        assert clip.ratios == [1.0, 1.0] and plain.ratios == [1.0, 0.975]
+        assert awq.group_error(x, folded, res.scales, plain.ratios, [None, r]) > clip.error
+
+
+def test_coupled_producer_term_is_the_producers_alpha_zero_error():
+    """The producer term of the consumer's coupled search at its chosen scale is, bit for bit, the alpha = 0
+    error the producer group's own search reports once that scale is folded (its rows divided, row_scale
+    passed): the producer's search starts exactly where the consumer's left it."""
+    g = _gen(3)
+    x_gu = torch.randn(512, 64, generator=g)
+    gate, up = torch.randn(128, 64, generator=g) * 0.05, torch.randn(128, 64, generator=g) * 0.05
+    x_down = torch.randn(512, 128, generator=g) * torch.logspace(-1, 2, 128)
+    down = torch.randn(64, 128, generator=g) * 0.05
+    cfg = awq.AWQConfig(n_grid=10)
+    producer = awq.Producer(x_gu, [gate, up], 1)
+    res = awq.search_scales_coupled(x_down, [down], producer, cfg)
+    assert res.alpha > 0 and res.producer_error is not None
+    assert res.producer_error == awq.producer_error(producer, res.scales, cfg)
+    after = awq.search_scales(x_gu, [gate, awq.fold_into_linear_output(up, res.scales)], cfg,
+                              row_scale=[None, res.scales])
+    assert after.errors[0] == after.error_rtn == res.producer_error
+    assert after.error <= res.producer_error
+    # the chosen total is the consumer's and producer's relative errors, and alpha = 0 is plain RTN of both
+    pref = awq.output_power(x_gu, [gate, up])
+    assert res.errors[cfg.alphas.index(res.alpha)] == pytest.approx(
+        res.error / res.ref_power + res.producer_error / pref, rel=1e-12)
+    assert res.errors[0] == pytest.approx(awq.group_error(x_down, [down]) / res.ref_power
+                                          + awq.group_error(x_gu, [gate, up]) / pref, rel=1e-12)
+    assert awq.producer_error(producer, None, cfg) == awq.group_error(x_gu, [gate, up])
+
+
+def test_row_scale_is_checked():
+    x, weights = _outlier_case()
+    with pytest.raises(ValueError, match="3 weights"):
+        awq.group_error(x, weights, row_scale=[None])
+    with pytest.raises(ValueError, match=r"shape \[16\]"):
+        awq.search_scales(x, weights, row_scale=[None, torch.ones(32), None])
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        r = torch.ones(16)
+        r[3] = bad
+        with pytest.raises(ValueError, match="finite and > 0"):
+            awq.search_clip(x, weights, row_scale=[None, None, r])

@@ -12,11 +12,18 @@ scale ``G`` shared by a fused set, recomputed from the *scaled* weights for ever
 
 Error of a candidate (one number per group, fp32 math, accumulated in fp64)::
 
-    err = sum_i || (x / s) @ Q(W_i * s)^T - x @ W_i^T ||^2 / (T * sum_i N_i)
+    err = sum_i || ((x / s) @ Q(W_i * s)^T - x @ W_i^T) * r_i ||^2 / (T * sum_i N_i)
 
-computed as ``|| (x / s) @ (Q(W_i * s) - W_i * s)^T ||^2``, which is the same quantity in exact arithmetic
-(``x @ W^T == (x / s) @ (W * s)^T``) without the cancellation of two large fp32 products and with one matmul
-instead of two.
+computed as ``sum_n r_i[n]^2 || (x / s) @ (Q(W_i * s) - W_i * s)[n]^T ||^2``, which is the same quantity in
+exact arithmetic (``x @ W^T == (x / s) @ (W * s)^T``) without the cancellation of two large fp32 products and
+with one matmul instead of two.
+
+``r_i [N_i]`` (``row_scale``; default all ones) serves a member whose output rows an earlier fold divided by
+``r_i`` (a consumer's scale folded into its producer: ``up_proj``'s rows by ``down``'s scales, ``v_proj``'s by
+``o``'s). The consumer multiplies those outputs back by ``r_i``: with ``W_i`` the folded weight,
+``x @ W_i^T * r_i`` is the unfolded model's output, so the error is in the units of the unfolded model's
+function, those of the group's round-to-nearest baseline on its original weights. Output powers
+(:func:`output_power`) are weighted the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from . import nvfp4
 SCALE_FLOOR = 1e-4
 #: Tokens per matmul chunk when accumulating the error (bounds temporary memory at ``chunk * N`` floats).
 ERROR_CHUNK_TOKENS = 2048
+
+#: Per-member output-row scales of a group (``row_scale``): ``None``, or one ``None`` / fp32 ``[N_i]`` per member.
+RowScale = Sequence[torch.Tensor | None] | None
 
 
 def _default_clip_ratios() -> tuple[float, ...]:
@@ -92,9 +102,11 @@ class ScaleResult:
     """Outcome of :func:`search_scales` for one smoothing group.
 
     ``scales`` is fp32 ``[K]`` (all exactly 1.0 when ``alpha == 0``); errors are mean squared output errors
-    (see module doc); ``error_rtn`` is the alpha = 0 (plain NVFP4 round-to-nearest) error; ``ref_power`` is
-    ``mean((x @ W^T)^2)`` over the same tokens, to turn errors into relative ones; ``global_scale`` is the
-    shared NVFP4 tensor scale of the chosen scaled weights.
+    (see module doc, ``row_scale`` included); ``error_rtn`` is the alpha = 0 error (plain NVFP4
+    round-to-nearest of the weights as given); ``ref_power`` is ``mean((x @ W^T * r)^2)`` over the same tokens,
+    to turn errors into relative ones; ``global_scale`` is the shared NVFP4 tensor scale of the chosen scaled
+    weights. :func:`search_scales_coupled` fills ``producer_error``: the producer group's error (same units,
+    its ``row_scale`` and the chosen ``s`` included) at the chosen scale; ``None`` otherwise.
     """
 
     alpha: float
@@ -106,12 +118,14 @@ class ScaleResult:
     ref_power: float
     global_scale: torch.Tensor
     n_tokens: int
+    producer_error: float | None = None
 
     def to_dict(self) -> dict:
         """JSON-friendly summary (without the scale tensor)."""
         return {"alpha": self.alpha, "error": self.error, "error_rtn": self.error_rtn,
                 "alphas": list(self.alphas), "errors": list(self.errors), "ref_power": self.ref_power,
-                "global_scale": float(self.global_scale.item()), "n_tokens": self.n_tokens}
+                "global_scale": float(self.global_scale.item()), "n_tokens": self.n_tokens,
+                "producer_error": self.producer_error}
 
 
 @dataclass
@@ -174,6 +188,26 @@ def _check_scales(s: torch.Tensor, k: int) -> torch.Tensor:
     return s
 
 
+def _check_row_scale(row_scale: RowScale, ws: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """One entry per member: ``None`` (weight 1) or a finite, positive fp32 ``[N_i]`` on the weights' device."""
+    if row_scale is None:
+        return [None] * len(ws)
+    if len(row_scale) != len(ws):
+        raise ValueError(f"{len(row_scale)} row scales for {len(ws)} weights")
+    out: list[torch.Tensor | None] = []
+    for i, (r, w) in enumerate(zip(row_scale, ws)):
+        if r is None:
+            out.append(None)
+            continue
+        if r.dim() != 1 or r.shape[0] != w.shape[0]:
+            raise ValueError(f"row scale {i} must have shape [{w.shape[0]}], got {tuple(r.shape)}")
+        r = r.to(device=w.device, dtype=torch.float32)
+        if not torch.isfinite(r).all() or not (r > 0).all():
+            raise ValueError(f"row scale {i} must be finite and > 0")
+        out.append(r)
+    return out
+
+
 def subsample_tokens(x: torch.Tensor, max_tokens: int | None, seed: int = 0) -> torch.Tensor:
     """Deterministic subset of rows of ``x``: all rows if ``T <= max_tokens``, else a fixed-seed random
     choice of ``max_tokens`` rows kept in their original order (random, not strided, so it cannot alias
@@ -195,8 +229,22 @@ def _row_sse(xs: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _group_sse(xs: torch.Tensor, scaled: list[torch.Tensor], quantized: list[torch.Tensor]) -> float:
-    return sum(float(_row_sse(xs, q - w).sum()) for w, q in zip(scaled, quantized))
+def _weighted(row_sse: torch.Tensor, r: torch.Tensor | None) -> float:
+    """``sum_n r_n^2 * row_sse_n`` in fp64 (``r=None``: the plain sum, bit for bit as without weights)."""
+    if r is None:
+        return float(row_sse.sum())
+    return float((row_sse * r.double().square()).sum())
+
+
+def _group_sse(xs: torch.Tensor, scaled: list[torch.Tensor], quantized: list[torch.Tensor],
+               row_scale: Sequence[torch.Tensor | None] | None = None) -> float:
+    rs = [None] * len(scaled) if row_scale is None else row_scale
+    return sum(_weighted(_row_sse(xs, q - w), r) for w, q, r in zip(scaled, quantized, rs))
+
+
+def _power(xs: torch.Tensor, ws: Sequence[torch.Tensor], rs: Sequence[torch.Tensor | None]) -> float:
+    """Summed ``r^2``-weighted squared outputs of ``xs @ W_i^T`` (not yet divided by ``T * sum N_i``)."""
+    return sum(_weighted(_row_sse(xs, w), r) for w, r in zip(ws, rs))
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -307,20 +355,24 @@ def clipped_fake_quantize(weight: torch.Tensor, gscale: torch.Tensor | None = No
     return nvfp4.dequantize(nvfp4.quantize_codes(weight, scales, gscale), scales, gscale)
 
 
-def output_power(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> float:
-    """``mean((x @ W_i^T)^2)`` over the group's outputs: the scale that makes an output error relative."""
+def output_power(x: torch.Tensor, weights: Sequence[torch.Tensor], row_scale: RowScale = None) -> float:
+    """``mean((x @ W_i^T * r_i)^2)`` over the group's outputs: the scale that makes an output error relative.
+    With ``row_scale`` (rows an earlier fold divided by ``r_i``) it is the unfolded model's output power."""
     x = _check_x(x)
     ws = _check_weights(weights, x.shape[1], x.device)
-    return sum(float(_row_sse(x, w).sum()) for w in ws) / (x.shape[0] * sum(w.shape[0] for w in ws))
+    rs = _check_row_scale(row_scale, ws)
+    return _power(x, ws, rs) / (x.shape[0] * sum(w.shape[0] for w in ws))
 
 
 def group_error(x: torch.Tensor, weights: Sequence[torch.Tensor], s: torch.Tensor | None = None,
-                ratios: Sequence[float | torch.Tensor] | None = None) -> float:
+                ratios: Sequence[float | torch.Tensor] | None = None, row_scale: RowScale = None) -> float:
     """Mean squared output error of a group under NVFP4 (no subsampling: pass the tokens you want):
-    ``sum_i ||(x/s) @ Q_r(W_i*s)^T - x @ W_i^T||^2 / (T * sum N_i)`` with one shared global scale from the
-    scaled set. ``s=None`` and ``ratios=None`` is plain round-to-nearest (the quantizer of ``quantize``)."""
+    ``sum_i ||((x/s) @ Q_r(W_i*s)^T - x @ W_i^T) * r_i||^2 / (T * sum N_i)`` with one shared global scale from
+    the scaled set. ``s=None`` and ``ratios=None`` is plain round-to-nearest (the quantizer of ``quantize``);
+    ``row_scale=None`` weighs every output row 1 (see the module doc)."""
     x = _check_x(x)
     ws = _check_weights(weights, x.shape[1], x.device)
+    rs = _check_row_scale(row_scale, ws)
     if s is None:
         scaled, xs = ws, x
     else:
@@ -333,19 +385,22 @@ def group_error(x: torch.Tensor, weights: Sequence[torch.Tensor], s: torch.Tenso
         raise ValueError(f"{len(ratios)} clip ratios for {len(scaled)} weights")
     quant = [clipped_fake_quantize(w, g, r) for w, r in zip(scaled, ratios)]
     denom = x.shape[0] * sum(w.shape[0] for w in ws)
-    return _group_sse(xs, scaled, quant) / denom
+    return _group_sse(xs, scaled, quant, rs) / denom
 
 
 def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], cfg: AWQConfig | None = None,
-                  stats: torch.Tensor | None = None) -> ScaleResult:
+                  stats: torch.Tensor | None = None, row_scale: RowScale = None) -> ScaleResult:
     """Grid-search alpha for one smoothing group. ``x [T, K]`` is the group's input (any float dtype),
     ``weights`` its consumers ``[N_i, K]`` that share one NVFP4 global scale. ``stats`` (mean |x| per channel)
     may be passed when accumulated over more tokens than ``x`` holds; by default it is computed from all of
-    ``x``. The error uses ``cfg.max_tokens`` tokens. Ties keep the smaller alpha (so RTN wins a tie)."""
+    ``x``. ``row_scale`` (per member ``None`` or ``[N_i]``): the factors an earlier fold divided the members'
+    output rows by, so errors and ``ref_power`` are in the unfolded model's units (module doc). The error uses
+    ``cfg.max_tokens`` tokens. Ties keep the smaller alpha (so RTN wins a tie)."""
     cfg = cfg or AWQConfig()
     x = _check_x(x)
     k = x.shape[1]
     ws = _check_weights(weights, k, x.device)
+    rs = _check_row_scale(row_scale, ws)
     if stats is None:
         stats = activation_stats(x)
     else:
@@ -366,31 +421,33 @@ def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], cfg: AWQConf
         g = nvfp4.fused_global_scale(scaled)
         quant = [nvfp4.fake_quantize(w, g) for w in scaled]
         xs = xe if alpha == 0 else xe / s
-        err = _group_sse(xs, scaled, quant) / denom
+        err = _group_sse(xs, scaled, quant, rs) / denom
         if not math.isfinite(err):
             err = math.inf
         errors.append(err)
         if best is None or err < best[0]:
             best = (err, alpha, s, g)
 
-    ref_power = sum(float(_row_sse(xe, w).sum()) for w in ws) / denom
+    ref_power = _power(xe, ws, rs) / denom
     err, alpha, s, g = best
     return ScaleResult(alpha=alpha, scales=s, error=err, error_rtn=errors[0], alphas=alphas, errors=errors,
                        ref_power=ref_power, global_scale=g, n_tokens=xe.shape[0])
 
 
 def search_clip(x: torch.Tensor, weights: Sequence[torch.Tensor], scales: torch.Tensor | None = None,
-                cfg: AWQConfig | None = None) -> ClipResult:
-    """Search the clipping ratio of each member of a group, given the AWQ ``scales`` (``None`` = no scaling).
-    The weights are the *original* ones; the search quantizes ``W_i * s`` with the shared global scale of the
-    scaled set (unchanged by clipping) and block scales from ``r * amax``, minimizing the same output error as
-    :func:`search_scales`. With the global scale fixed, member errors (and row errors) are independent, so the
-    per-member (per-row) choice is the exact minimizer of the group error. Ratio 1.0 is always a candidate
-    and wins ties, so the result is never worse than no clipping."""
+                cfg: AWQConfig | None = None, row_scale: RowScale = None) -> ClipResult:
+    """Search the clipping ratio of each member of a group, given the AWQ ``scales`` (``None`` = no scaling,
+    e.g. weights with the scales already folded in and ``x`` divided by them). The search quantizes
+    ``W_i * s`` with the shared global scale of the scaled set (unchanged by clipping) and block scales from
+    ``r * amax``, minimizing the same output error as :func:`search_scales` (``row_scale`` weights included).
+    With the global scale fixed, member errors (and row errors) are independent, so the per-member (per-row)
+    choice is the exact minimizer of the group error. Ratio 1.0 is always a candidate, reproduces the
+    unclipped quantizer bit for bit and wins ties, so the result is never worse than no clipping."""
     cfg = cfg or AWQConfig()
     x = _check_x(x)
     k = x.shape[1]
     ws = _check_weights(weights, k, x.device)
+    rs = _check_row_scale(row_scale, ws)
     xe = subsample_tokens(x, cfg.max_tokens, cfg.seed)
     if scales is None:
         scaled, xs = ws, xe
@@ -401,11 +458,11 @@ def search_clip(x: torch.Tensor, weights: Sequence[torch.Tensor], scales: torch.
     denom = xe.shape[0] * sum(w.shape[0] for w in ws)
     cands = [1.0] + [r for r in dict.fromkeys(cfg.clip_ratios) if r != 1.0]
 
-    # row_err[i]: [len(cands), N_i] fp64 squared error per output row for each candidate ratio.
+    # row_err[i]: [len(cands), N_i] fp64 squared error per output row for each candidate ratio (times r^2).
     row_err = []
-    for w in scaled:
-        rows = [_row_sse(xs, clipped_fake_quantize(w, g, r) - w) for r in cands]
-        row_err.append(torch.stack(rows))
+    for w, rw in zip(scaled, rs):
+        rows = torch.stack([_row_sse(xs, clipped_fake_quantize(w, g, r) - w) for r in cands])
+        row_err.append(rows if rw is None else rows * rw.double().square())
     curve = {r: sum(float(e[j].sum()) for e in row_err) / denom for j, r in enumerate(cands)}
 
     ratios: list = []
@@ -433,31 +490,60 @@ def search_clip(x: torch.Tensor, weights: Sequence[torch.Tensor], scales: torch.
 class Producer:
     """The group whose member ``index`` *produces* the input of a linear-output smoothing group (gate/up for
     up -> down, q/k/v for v -> o): folding ``s`` divides that member's rows by ``s``, which changes how the
-    producer group quantizes (its rows and its shared global scale). ``x`` is the producer group's input."""
+    producer group quantizes (its rows and its shared global scale). ``x`` is the producer group's input;
+    ``row_scale`` (as in :func:`search_scales`) the factors earlier folds already divided its members' rows by
+    (``None``: none)."""
 
     x: torch.Tensor
     weights: Sequence[torch.Tensor]
     index: int
+    row_scale: RowScale = None
+
+
+def producer_error(producer: Producer, s: torch.Tensor | None, cfg: AWQConfig | None = None) -> float:
+    """The producer group's mean squared output error, in the unfolded model's units, after its member
+    ``index`` has its rows divided by ``s`` (``None``: not divided): exactly the alpha = 0 error that
+    :func:`search_scales` reports for that group once ``s`` is folded and passed in its ``row_scale`` (same
+    tokens, same operations), which is how ``calibrate`` searches the producer after its consumer."""
+    cfg = cfg or AWQConfig()
+    px = subsample_tokens(_check_x(producer.x), cfg.max_tokens, cfg.seed)
+    pws = _check_weights(producer.weights, px.shape[1], px.device)
+    prs = _check_row_scale(producer.row_scale, pws)
+    return _producer_sse(px, pws, prs, producer.index, s) / (px.shape[0] * sum(w.shape[0] for w in pws))
+
+
+def _producer_sse(px: torch.Tensor, pws: list[torch.Tensor], prs: list[torch.Tensor | None], index: int,
+                  s: torch.Tensor | None) -> float:
+    prod, rs = list(pws), list(prs)
+    if s is not None:
+        prod[index] = fold_into_linear_output(prod[index], s)
+        rs[index] = s.float() if rs[index] is None else rs[index] * s.float()
+    pg = nvfp4.fused_global_scale(prod)
+    return _group_sse(px, prod, [nvfp4.fake_quantize(w, pg) for w in prod], rs)
 
 
 def search_scales_coupled(x: torch.Tensor, weights: Sequence[torch.Tensor], producer: Producer,
-                          cfg: AWQConfig | None = None, stats: torch.Tensor | None = None) -> ScaleResult:
+                          cfg: AWQConfig | None = None, stats: torch.Tensor | None = None,
+                          row_scale: RowScale = None) -> ScaleResult:
     """:func:`search_scales` for a linear-output group, minimizing the sum of the **relative** output errors
     (MSE / output power) of the group and of its producer group with the producer member's rows divided by
     the candidate ``s``. Without the producer term a scale that helps ``down`` can wreck the quantization of
     ``up`` (and, through the shared global scale, ``gate``). Alpha = 0 leaves both at round-to-nearest.
 
-    The producer's error is measured in the units its outputs have for the consumer: the folded member
-    computes ``x_p @ Q(W/s)^T``, which the consumer's ``* s`` columns turn back into
-    ``x_p @ (Q(W/s) * s)^T``, so its error is ``x_p @ (Q(W/s) * s - W)^T`` (not ``Q(W/s) - W/s``, which
-    shrinks the error of rows divided by a large s and so favoured large scales on outlier channels); the
-    other members' errors are unchanged in units. Both terms are divided by output powers of the unfolded
-    weights, the units of the errors."""
+    The producer's error is measured in the units its outputs have for the consumer (the unfolded model's):
+    the folded member computes ``x_p @ Q(W/s)^T``, which the consumer's ``* s`` columns turn back into
+    ``x_p @ (Q(W/s) * s)^T``, so row ``n``'s error ``x_p @ (Q(W/s) - W/s)[n]^T`` is weighted by ``s_n^2``
+    (``row_scale`` of the folded member, as :func:`search_scales` then measures that group; weighing it 1
+    shrinks the error of rows divided by a large s and so favoured large scales on outlier channels). The
+    other members' errors are unchanged in units. Both terms are divided by output powers in the same units
+    (of the weights before this fold). ``row_scale`` weighs the group's own rows (module doc)."""
     cfg = cfg or AWQConfig()
     x = _check_x(x)
     ws = _check_weights(weights, x.shape[1], x.device)
+    rs = _check_row_scale(row_scale, ws)
     px = subsample_tokens(_check_x(producer.x), cfg.max_tokens, cfg.seed)
     pws = _check_weights(producer.weights, px.shape[1], px.device)
+    prs = _check_row_scale(producer.row_scale, pws)
     if pws[producer.index].shape[0] != x.shape[1]:
         raise ValueError("the producer member's outputs must be the group's inputs")
     if stats is None:
@@ -465,28 +551,22 @@ def search_scales_coupled(x: torch.Tensor, weights: Sequence[torch.Tensor], prod
     xe = subsample_tokens(x, cfg.max_tokens, cfg.seed)
     denom = xe.shape[0] * sum(w.shape[0] for w in ws)
     pdenom = px.shape[0] * sum(w.shape[0] for w in pws)
-    ref = sum(float(_row_sse(xe, w).sum()) for w in ws) / denom
-    pref = sum(float(_row_sse(px, w).sum()) for w in pws) / pdenom
+    ref = _power(xe, ws, rs) / denom
+    pref = _power(px, pws, prs) / pdenom
     best, errors, err_rtn = None, [], math.nan
     for alpha in cfg.alphas:
         s = scales_from_stats(stats.to(torch.float32), alpha)
         scaled = apply_scales_to_weights(ws, s)
         g = nvfp4.fused_global_scale(scaled)
-        err = _group_sse(xe if alpha == 0 else xe / s, scaled, [nvfp4.fake_quantize(w, g) for w in scaled]) / denom
-        prod = list(pws)
-        if alpha != 0:
-            prod[producer.index] = fold_into_linear_output(prod[producer.index], s)
-        pg = nvfp4.fused_global_scale(prod)
-        pq = [nvfp4.fake_quantize(w, pg) for w in prod]
-        if alpha != 0:  # back in the consumer's (the unfolded output's) units: Q(W / s) * s against W
-            pq[producer.index] = pq[producer.index] * s.unsqueeze(1)
-        perr = _group_sse(px, pws, pq) / pdenom
+        err = _group_sse(xe if alpha == 0 else xe / s, scaled, [nvfp4.fake_quantize(w, g) for w in scaled],
+                         rs) / denom
+        perr = _producer_sse(px, pws, prs, producer.index, None if alpha == 0 else s) / pdenom
         total = err / max(ref, 1e-30) + perr / max(pref, 1e-30)
         if alpha == 0:
             err_rtn = err
         errors.append(total)
         if best is None or total < best[0]:
-            best = (total, alpha, s, g, err)
-    _, alpha, s, g, err = best
+            best = (total, alpha, s, g, err, perr)
+    _, alpha, s, g, err, perr = best
     return ScaleResult(alpha=alpha, scales=s, error=err, error_rtn=err_rtn, alphas=cfg.alphas, errors=errors,
-                       ref_power=ref, global_scale=g, n_tokens=xe.shape[0])
+                       ref_power=ref, global_scale=g, n_tokens=xe.shape[0], producer_error=perr)

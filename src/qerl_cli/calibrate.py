@@ -4,8 +4,10 @@ For each decoder layer, one forward pass over the calibration tokens (in batches
 four smoothing groups — ``input_layernorm → q/k/v``, ``v → o`` (only without grouped-query attention, where
 v's outputs map one-to-one onto o's inputs), ``post_attention_layernorm → gate/up``, ``up → down`` — as
 per-channel mean |x| over every token plus a fixed-seed token subset for the error. The search itself is
-:mod:`qerl_cli.awq` (pure math). Scales are folded in the same order by ``quantize --calib``; only one layer's
-activations are held at a time, plus the running hidden states.
+:mod:`qerl_cli.awq` (pure math). A consumer group (o, down) is searched first, jointly with the error its fold
+causes in its producer group (q/k/v, gate/up); the producer is then searched on the folded weights with that
+error still measured in the unfolded model's units (``row_scale``). Scales are folded in the same order by
+``quantize --calib``; only one layer's activations are held at a time, plus the running hidden states.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from . import artifact, awq, config, data, modelio, names, ui
 from .errors import QerlError
 
-SEARCH_VERSION = "qerl.awq/2"  # bump when the search's results change for the same inputs and config
+SEARCH_VERSION = "qerl.awq/3"  # bump when the search's results change for the same inputs and config
 
 
 @dataclass
@@ -73,7 +75,9 @@ class Group:
 
 # Search (and folding) order. A linear-output fold rescales the rows of a linear that another group
 # quantizes (v -> o rescales v of q/k/v; up -> down rescales up of gate/up), so those groups go first: the
-# q/k/v and gate/up searches then see the weights that will really be quantized, shared global scale included.
+# q/k/v and gate/up searches then see the weights that will really be quantized, shared global scale included,
+# and weigh each divided row's error by its scale squared (awq's row_scale), so that they, their clip search
+# and the reported errors measure the unfolded model's output error, as the consumer's coupled search did.
 GROUPS = (
     Group("o", "self_attn.v_proj", False, ("self_attn.o_proj",)),
     Group("qkv", "input_layernorm", True, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -242,21 +246,38 @@ def fold_group(layer, group: Group, s: torch.Tensor) -> None:
             lin.weight.copy_(awq.apply_scales_to_weights([lin.weight], s)[0].to(lin.weight.dtype))
 
 
-def _producer(groups: list[Group], g: Group, captures: dict, layer) -> "awq.Producer | None":
-    """For a linear-output group, the (not yet folded) group that holds its ``prev`` linear."""
+def _owner(groups: list[Group], g: Group) -> Group | None:
+    """For a linear-output group, the group that quantizes its ``prev`` linear (its producer)."""
     if g.prev_is_norm:
         return None
-    owner = next((o for o in groups if g.prev in o.linears), None)
+    return next((o for o in groups if g.prev in o.linears), None)
+
+
+def _producer(groups: list[Group], g: Group, captures: dict, layer,
+              row_scale: dict[str, torch.Tensor]) -> "awq.Producer | None":
+    """For a linear-output group, the (not yet searched) group that holds its ``prev`` linear, with the row
+    scales earlier folds divided its members by."""
+    owner = _owner(groups, g)
     if owner is None:
         return None
     x, _ = captures[owner.name].result()
     return awq.Producer(x, [layer.get_submodule(n).weight.detach().float() for n in owner.linears],
-                        owner.linears.index(g.prev))
+                        owner.linears.index(g.prev), [row_scale.get(n) for n in owner.linears])
 
 
 def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: CalibrateConfig
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict], dict[str, float]]:
-    """Search and fold one layer; returns (next hidden, scales per group, report rows, clip ratios)."""
+    """Search and fold one layer; returns (next hidden, scales per group, report rows, clip ratios).
+
+    Every error and output power is measured in the units of the unfolded layer's function (mean squared
+    output error over the same tokens): a group whose output rows an earlier consumer's fold divided by
+    ``s_c`` (up_proj by down's scales, v_proj by o's) has those rows' errors weighted by ``s_c^2``. Each row
+    holds ``error_rtn`` / ``ref_power_rtn`` (round-to-nearest of the original weights), ``error_alpha0`` (the
+    group's alpha = 0 candidate: round-to-nearest of its weights as the earlier folds left them; equals
+    ``error_rtn`` unless a fold divided its rows), ``error_awq`` / ``ref_power_awq`` (the final weights, scale
+    and clip ratios applied; ``ref_power_awq`` equals ``ref_power_rtn`` up to rounding) and, for a group
+    searched with its producer, ``producer`` and ``producer_error`` (the producer's error at the chosen scale,
+    which is the producer's ``error_alpha0``)."""
     groups = active_groups(layer)
     captures = {g.name: _Capture(keep) for g in groups}
     handles = [layer.get_submodule(g.linears[0]).register_forward_pre_hook(captures[g.name]) for g in groups]
@@ -272,33 +293,41 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
     scales: dict[str, torch.Tensor] = {}
     xs: dict[str, torch.Tensor] = {}
     rows: list[dict] = []
+    # linear name -> the factors a consumer's fold divided its output rows by (the consumer multiplies them back)
+    row_scale: dict[str, torch.Tensor] = {}
     for g in groups:  # scales, folded in order (a later group sees the earlier folds, as quantize applies them)
         x, stats = captures[g.name].result()
         weights = [layer.get_submodule(n).weight.detach().float().clone() for n in g.linears]
-        producer = _producer(groups, g, captures, layer)
+        rs = [row_scale.get(n) for n in g.linears]
+        producer = _producer(groups, g, captures, layer, row_scale)
         if producer is None:
-            res = awq.search_scales(x, weights, acfg, stats=stats)
+            res = awq.search_scales(x, weights, acfg, stats=stats, row_scale=rs)
         else:  # v -> o, up -> down: also weigh what the fold does to the group that produces x
-            res = awq.search_scales_coupled(x, weights, producer, acfg, stats=stats)
+            res = awq.search_scales_coupled(x, weights, producer, acfg, stats=stats, row_scale=rs)
         fold_group(layer, g, res.scales)
+        if not g.prev_is_norm:
+            row_scale[g.prev] = res.scales if g.prev not in row_scale else row_scale[g.prev] * res.scales
         scales[g.name] = res.scales
         xs[g.name] = x
         xe = awq.subsample_tokens(x, acfg.max_tokens, acfg.seed)
         orig = [original[n] for n in g.linears]
-        rtn = awq.group_error(xe, orig)
-        rows.append({"group": g.name, "alpha": res.alpha, "error_rtn": rtn,
-                     "ref_power_rtn": awq.output_power(xe, orig)})
+        row = {"group": g.name, "alpha": res.alpha, "error_rtn": awq.group_error(xe, orig),
+               "ref_power_rtn": awq.output_power(xe, orig), "error_alpha0": res.error_rtn}
+        if producer is not None:
+            row |= {"producer": _owner(groups, g).name, "producer_error": res.producer_error}
+        rows.append(row)
     clip: dict[str, float] = {}
     for g, row in zip(groups, rows):  # clip ratios under the final (all folds applied) weights
         x = awq.subsample_tokens(xs[g.name] / scales[g.name], acfg.max_tokens, acfg.seed)
         weights = [layer.get_submodule(n).weight.detach().float() for n in g.linears]
+        rs = [row_scale.get(n) for n in g.linears]
         ratios = [1.0] * len(weights)
-        if cfg.clip_search:
-            ratios = [float(r) for r in awq.search_clip(x, weights, None, acfg).ratios]
+        if cfg.clip_search:  # ratio 1.0 is a candidate and reproduces the unclipped error: never worse
+            ratios = [float(r) for r in awq.search_clip(x, weights, None, acfg, row_scale=rs).ratios]
         row["clip_ratios"] = dict(zip(g.linears, ratios))
-        row["error_awq"] = awq.group_error(x, weights, None, ratios)
-        # the final group's own output power (a fold on its producer rescales e.g. up_proj's outputs)
-        row["ref_power_awq"] = awq.output_power(x, weights)
+        row["error_awq"] = awq.group_error(x, weights, None, ratios, row_scale=rs)
+        # the unfolded output power again, from the final weights (the row scales undo a producer fold)
+        row["ref_power_awq"] = awq.output_power(x, weights, row_scale=rs)
         for n, r in zip(g.linears, ratios):
             clip[n] = r
     return nxt, scales, rows, clip
@@ -368,7 +397,8 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
                 "mean_error_awq": {k: sum(b for _, b in v) / len(v) for k, v in by_type.items()}}
 
     # the search's version is part of the key: a calib from an earlier search (non-causal layers under eager
-    # attention, coupled errors in the producer's units) is recomputed, not served from the cache
+    # attention, coupled errors in the producer's units, a producer group searched and reported in its folded
+    # units) is recomputed, not served from the cache
     art = artifact.run_stage(names.KIND_CALIB, output, config.as_dict(cfg) | {"search": SEARCH_VERSION}, inputs,
                              body, force=force)
     print_summary(json.loads(art.file(names.CALIB_REPORT).read_text()))
@@ -377,12 +407,14 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
 
 def relative_errors(row: dict) -> tuple[float, float]:
     """(RTN, AWQ) output MSE of a group relative to its output power (original weights for RTN, final ones
-    for AWQ)."""
+    for AWQ), both in the unfolded model's units."""
     return (row["error_rtn"] / max(row["ref_power_rtn"], 1e-30), row["error_awq"] / max(row["ref_power_awq"], 1e-30))
 
 
 def print_summary(report: dict) -> None:
-    t = Table(title="qerl calibrate — output MSE per group (RTN vs AWQ, relative to output power)")
+    t = Table(title="qerl calibrate — output MSE per group (RTN vs AWQ, relative to output power)",
+              caption="in the unfolded model's units; one group of a pair (o and q/k/v, down and gate/up, searched "
+                      "jointly) may lose a little to RTN where the other gains more, never the pair's sum")
     for c in ("layer", "group", "alpha", "clip", "RTN rel. err", "AWQ rel. err", "gain"):
         t.add_column(c, justify="right")
     for r in report["groups"]:
