@@ -1,0 +1,48 @@
+"""Bad input found by an adversarial pass over the CLI: each case is one clear sentence on stderr, exit 1, and
+no output (or an untouched old output)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from qerl_cli import modelio, names
+from qerl_cli.errors import QerlError
+
+
+def _clean_error(res: subprocess.CompletedProcess, match: str = "") -> str:
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].rstrip().endswith("."), res.stderr
+    assert match in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_pack_without_its_manifest_is_not_taken_for_a_source_model(tiny_pipeline, tmp_path):
+    """A packed dir whose manifest.json was deleted has config.json and model.safetensors, so it looked like a HF
+    model directory: rollout loaded it as the bf16 baseline with every projection randomly initialised."""
+    p = tmp_path / "packed"
+    shutil.copytree(tiny_pipeline["packed"], p)
+    (p / names.MANIFEST).unlink()
+    out = tmp_path / "ro"
+    _clean_error(run_cli("rollout", str(p), "--prompts", "arith:1", "-G", "1", "--max-new-tokens", "2",
+                         "--no-progress", "-o", str(out)), "lost its manifest.json")
+    assert not out.exists()
+
+
+def test_a_model_directory_with_missing_weights_is_refused(tiny_pipeline, tmp_path):
+    """transformers fills weights missing from a checkpoint with random numbers; qerl must refuse instead."""
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "model"
+    shutil.copytree(tiny_pipeline["model"], m)
+    t = load_file(str(m / names.MODEL_WEIGHTS))
+    del t["model.layers.1.mlp.down_proj.weight"]
+    save_file(t, str(m / names.MODEL_WEIGHTS), metadata={"format": "pt"})
+    with pytest.raises(QerlError, match="lacks the weight model.layers.1.mlp.down_proj.weight"):
+        modelio.load(modelio.resolve(str(m)))
