@@ -46,3 +46,17 @@ def test_a_model_directory_with_missing_weights_is_refused(tiny_pipeline, tmp_pa
     save_file(t, str(m / names.MODEL_WEIGHTS), metadata={"format": "pt"})
     with pytest.raises(QerlError, match="lacks the weight model.layers.1.mlp.down_proj.weight"):
         modelio.load(modelio.resolve(str(m)))
+
+
+def test_wrapping_a_model_in_lora_prints_no_warning(tiny_pipeline):
+    """peft's FutureWarning about transformers' is_gradient_checkpointing reached stderr in every train run, so a
+    failing train run printed three lines instead of one sentence."""
+    import warnings
+
+    from qerl_cli import artifact, lora
+    from qerl_cli.packed_model import load_packed_model
+
+    model = load_packed_model(artifact.open_artifact(tiny_pipeline["packed"], names.KIND_PACKED))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lora.wrap(model, 4, 8.0)
