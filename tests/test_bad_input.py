@@ -60,3 +60,29 @@ def test_wrapping_a_model_in_lora_prints_no_warning(tiny_pipeline):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lora.wrap(model, 4, 8.0)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("report",), "Missing argument 'artifacts'"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "-G", "abc"), "'--group'"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--bogus"), "--bogus"),
+    (("rollout", "x", "-o", "y"), "'--prompts'"),
+    (("no-such-stage",), "no-such-stage"),
+])
+def test_usage_errors_are_one_sentence(args, match):
+    """A bad, missing or unknown option printed click's usage lines and an error box (5+ lines on stderr)."""
+    res = run_cli(*args)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout and not res.stdout.strip()
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("--help`."), res.stderr
+    assert match in lines[0], lines[0]
+
+
+def test_help_version_and_no_arguments_still_work():
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.startswith("qerl ")
+    res = run_cli()
+    assert "Usage: qerl" in res.stdout and "rollout" in res.stdout and res.returncode == 2
+    res = run_cli("pack", "--help")
+    assert res.returncode == 0 and "qerl pack" in res.stdout and not res.stderr.strip()
