@@ -86,3 +86,14 @@ def test_help_version_and_no_arguments_still_work():
     assert "Usage: qerl" in res.stdout and "rollout" in res.stdout and res.returncode == 2
     res = run_cli("pack", "--help")
     assert res.returncode == 0 and "qerl pack" in res.stdout and not res.stderr.strip()
+
+
+@pytest.mark.parametrize("target", [2.0, -0.1, float("nan")])
+def test_report_refuses_a_target_accuracy_outside_0_1(tmp_path, target):
+    """--target-accuracy 2 (a percent typed as a number?) or nan was accepted: 'not reached' for every run, and a
+    NaN written into the manifest (not valid JSON)."""
+    from qerl_cli import report
+
+    with pytest.raises(QerlError, match="--target-accuracy must be an accuracy between 0 and 1"):
+        report.report([tmp_path / "no-run"], tmp_path / "rep", target_accuracy=target)
+    assert not (tmp_path / "rep").exists()
