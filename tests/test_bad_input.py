@@ -97,3 +97,60 @@ def test_report_refuses_a_target_accuracy_outside_0_1(tmp_path, target):
     with pytest.raises(QerlError, match="--target-accuracy must be an accuracy between 0 and 1"):
         report.report([tmp_path / "no-run"], tmp_path / "rep", target_accuracy=target)
     assert not (tmp_path / "rep").exists()
+
+
+def _rehash(d: Path) -> None:
+    """Re-hash an artifact's manifest after an edit: a tamper that the digest check cannot see."""
+    import json
+
+    from qerl_cli import artifact
+
+    m = json.loads((d / names.MANIFEST).read_text())
+    m["files"] = artifact._list_files(d)
+    m["digest"] = artifact._digest(m["key"], m["files"])
+    (d / names.MANIFEST).write_text(json.dumps(m))
+
+
+def _garbage(f: Path) -> None:
+    f.write_bytes(b"\x00" * 64)
+
+
+def _truncated(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _nan_norm(f: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(f))
+    t["model.layers.0.input_layernorm.weight"][3] = float("nan")
+    save_file(t, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("rel,edit,match", [
+    (names.MODEL_WEIGHTS, _garbage, "its model.safetensors cannot be read"),
+    (names.MODEL_WEIGHTS, _truncated, "its model.safetensors cannot be read"),
+    (names.MODEL_WEIGHTS, _nan_norm, "NaN or infinite values in model.layers.0.input_layernorm.weight"),
+    (names.PACKED_INDEX, lambda f: f.write_text("{not json"), "its packed.json cannot be read"),
+    (names.PACKED_INDEX, lambda f: f.write_text('{"layout": "qerl-nvfp4-tile16x64-v2", "linears": 3}'),
+     "not a packed index"),
+    (names.MODEL_CONFIG, lambda f: f.write_text("[1, 2"), "its config.json cannot be read"),
+])
+def test_a_pack_damaged_under_a_rehashed_manifest_is_one_sentence(tiny_pipeline, tmp_path, rel, edit, match):
+    """Files of a pack edited and the manifest re-hashed over them: verify and rollout raised safetensors' or
+    json's exception (a traceback), and a NaN norm scale made rollout crash in torch.multinomial."""
+    from qerl_cli import artifact
+    from qerl_cli.packed_model import load_packed_model
+    from qerl_cli.verify import verify
+
+    run = tmp_path / "run"
+    for k in ("quant", "packed"):
+        shutil.copytree(tiny_pipeline[k], run / k)
+    p = run / "packed"
+    edit(p / rel)
+    _rehash(p)
+    with pytest.raises(QerlError, match=match):
+        load_packed_model(artifact.open_artifact(p, names.KIND_PACKED))
+    with pytest.raises(QerlError, match=match):
+        verify(p, run / "verify", progress=False, device="cpu")
+    assert not (run / "verify").exists()
