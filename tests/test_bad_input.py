@@ -154,3 +154,28 @@ def test_a_pack_damaged_under_a_rehashed_manifest_is_one_sentence(tiny_pipeline,
     with pytest.raises(QerlError, match=match):
         verify(p, run / "verify", progress=False, device="cpu")
     assert not (run / "verify").exists()
+
+
+def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
+    """A prompts/data path that is a directory was 'does not exist'; integer LoRA factors were cast and used;
+    a config error ended without a period or a hint of what to do."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import random_adapter
+    from qerl_cli import adapter, artifact, config, data, rollout
+    from qerl_cli.packed_model import load_packed_model
+
+    with pytest.raises(QerlError, match="is a directory"):
+        data.load_records(str(tmp_path))
+    a = random_adapter(tmp_path / "ad")
+    from safetensors.torch import load_file
+
+    t = {k: (v * 10).to(torch.int32) for k, v in load_file(str(a / names.ADAPTER_WEIGHTS)).items()}
+    save_file(t, str(a / names.ADAPTER_WEIGHTS))
+    model = load_packed_model(artifact.open_artifact(tiny_pipeline["packed"], names.KIND_PACKED))
+    with pytest.raises(QerlError, match="floating point"):
+        adapter.load_lora(a, model)
+    with pytest.raises(QerlError, match=r"top_p must be in \(0, 1\]; change that option or --config value\.$"):
+        config.load("rollout", rollout.RolloutConfig, None, {"top_p": 1.5, "progress": False, "engine": "ours",
+                                                             "device": "cpu"})
