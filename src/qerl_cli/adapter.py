@@ -136,6 +136,9 @@ def load_lora(path: str | Path, model) -> LoRA:
             raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; "
                             f"this model needs [{r_m}, {mod.in_features}] and [{mod.out_features}, {r_m}] "
                             "(an adapter for another model?).")
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise QerlError(f"adapter {path} has {name} factors of type {a.dtype}, {b.dtype}; LoRA factors are "
+                            "floating point (an adapter written wrongly?).")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise QerlError(f"adapter {path} holds NaN or infinite values in {name}.")
         out[name] = (a.float(), b.float())

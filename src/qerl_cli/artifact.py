@@ -106,9 +106,40 @@ class Artifact:
     def file(self, rel: str) -> Path:
         return _safe_relpath(rel, self.path)
 
+    def read_json(self, rel: str) -> Any:
+        """A JSON file of this artifact; one sentence if it cannot be read (a hand edit the manifest was
+        re-hashed over, a disk error)."""
+        return read_json_file(self.file(rel), self.path)
+
+    def read_tensors(self, rel: str) -> dict:
+        """A safetensors file of this artifact; one sentence if it cannot be read."""
+        return read_tensors_file(self.file(rel), self.path)
+
     def as_input(self, out: Path) -> Input:
         """This artifact as an input of the artifact that will live at ``out`` (path relative to it)."""
         return Input(self.kind, os.path.relpath(self.path.resolve(), Path(out).resolve()), self.digest)
+
+
+def _damaged(root: Path, f: Path, e: BaseException) -> QerlError:
+    why = (str(e).splitlines() or [type(e).__name__])[0].rstrip(".")
+    return QerlError(f"{root} is damaged: its {f.name} cannot be read ({why}); recreate it with --force.")
+
+
+def read_json_file(f: Path, root: Path) -> Any:
+    try:
+        return json.loads(Path(f).read_text())
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise _damaged(root, Path(f), e) from None
+
+
+def read_tensors_file(f: Path, root: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _damaged(root, Path(f), e) from None
 
 
 def read_manifest(path: Path) -> dict:

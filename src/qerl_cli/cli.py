@@ -314,8 +314,19 @@ def _on_signal(signum, frame):
 def main() -> None:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    cex = sys.modules[typer.BadParameter.__module__]  # click's exceptions (vendored by recent typer)
     try:
-        app()
+        code = app(prog_name="qerl", standalone_mode=False)  # (usage errors come here: one line, not a box)
+    except getattr(cex, "NoArgsIsHelpError", ()) as e:  # the help is already on stdout
+        sys.exit(e.exit_code)
+    except cex.ClickException as e:  # a bad, missing or unknown option or argument
+        msg = " ".join(e.format_message().split()).rstrip(".")
+        cmd = e.ctx.command_path if getattr(e, "ctx", None) is not None else "qerl"
+        ui.console.print(f"[bold red]error:[/] {escape(msg)}; see `{escape(cmd)} --help`.", soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        ui.console.print("[bold red]error:[/] aborted.", soft_wrap=True)
+        sys.exit(1)
     except QerlError as e:
         ui.console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(1)
@@ -327,6 +338,7 @@ def main() -> None:
         ui.console.print("[bold red]interrupted:[/] outputs that were complete before are unchanged; an interrupted "
                          "train run continues with --resume.", soft_wrap=True)
         sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+    sys.exit(code if isinstance(code, int) else 0)  # (typer.Exit(n) of a command, e.g. a failed verify)
 
 
 if __name__ == "__main__":

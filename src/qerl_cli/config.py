@@ -67,7 +67,7 @@ def load(stage: str, cls: type[C], config_file: str | Path | None = None, overri
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
-        raise QerlError(f"invalid {stage} config: {e}") from None
+        raise QerlError(f"invalid {stage} config: {e}; change that option or --config value.") from None
 
 
 _SCALARS = {"float": float, "int": int, "bool": bool, "str": str}

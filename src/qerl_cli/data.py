@@ -43,6 +43,8 @@ def load_records(spec: str, split: str = "train") -> Records:
 
 
 def _load_local(p: Path) -> Records:
+    if p.is_dir():
+        raise QerlError(f"data file {p} is a directory; give a .jsonl/.json/.parquet/.txt file inside it.")
     if not p.is_file():
         raise QerlError(f"data file {p} does not exist.")
     suffix = p.suffix.lower()

@@ -13,6 +13,7 @@ bf16 source model with ``PeftModel.from_pretrained`` or into our engine with :fu
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -82,7 +83,9 @@ def wrap(model, rank: int, alpha: float, targets: tuple[str, ...] = DEFAULT_TARG
     missing = [t for t in targets if t not in found]
     if missing:
         raise QerlError(f"LoRA targets {missing} are not linear layers of this model (it has {sorted(found)}).")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads transformers' deprecated is_gradient_checkpointing: a FutureWarning on stderr in every run
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed)
         pm = get_peft_model(model, lora_config(rank, alpha, targets, dropout))
     for n, p in pm.named_parameters():

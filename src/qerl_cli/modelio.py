@@ -71,6 +71,9 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
         raise QerlError(f"model directory {s} has no {names.MODEL_CONFIG}; it is not a HF model directory.")
     if (p / names.MANIFEST).is_file():
         raise QerlError(f"{s} is a qerl artifact, not a source model; give the model it was made from.")
+    if any((p / f).is_file() for f in (names.PACKED_INDEX, names.QUANT_REPORT)):
+        raise QerlError(f"{s} is a qerl artifact that has lost its {names.MANIFEST} (it cannot be trusted); recreate "
+                        "it with the stage that wrote it.")
     if not any(p.glob("*.safetensors")):
         raise QerlError(f"model directory {s} holds no .safetensors weights (pickled weights are not loaded).")
     return ModelSource(s, p, None)
@@ -119,10 +122,16 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implement
     mkw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kw)
-        model = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **kw, **mkw)
+        model, loading = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype,
+                                                              output_loading_info=True, **kw, **mkw)
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad model dir
         first = (str(e).splitlines() or [type(e).__name__])[0].rstrip(": ")
         raise QerlError(f"could not load model {source.spec}: {first or type(e).__name__}.") from None
+    missing = sorted(loading.get("missing_keys") or [])
+    if missing:  # transformers would fill them with random numbers
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise QerlError(f"model {source.spec} lacks the weight {missing[0]}{more}, which would be random; give a "
+                        "complete HF model directory.")
     if source.gguf_file:  # the weights are dense now: drop the GGUF quantizer marker so configs save cleanly
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

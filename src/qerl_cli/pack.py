@@ -92,7 +92,7 @@ def pack(quant: str | Path, output: str | Path, config_file: str | Path | None =
         packed, index = pack_tensors(load_checkpoint(q), cfg.progress)
         save_file(packed, str(tmp / names.MODEL_WEIGHTS), metadata={"format": "pt", "layout": layout.LAYOUT_NAME})
         (tmp / names.PACKED_INDEX).write_text(json.dumps(index, indent=1) + "\n")
-        conf = json.loads(q.file(names.MODEL_CONFIG).read_text())
+        conf = q.read_json(names.MODEL_CONFIG)
         conf.pop("quantization_config", None)  # the packed dir is not a compressed-tensors checkpoint
         for f in LINEAGE_FILES:
             if f != names.MODEL_CONFIG and q.file(f).is_file():

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from . import layout, names, nvfp4
-from .artifact import Artifact
+from .artifact import Artifact, read_json_file, read_tensors_file
 from .errors import QerlError
 
 
@@ -71,7 +69,9 @@ def _skeleton(art_dir: Path, dtype: torch.dtype):
     """An uninitialised model of the artifact's architecture (weights are loaded over it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    conf_dict = json.loads((art_dir / names.MODEL_CONFIG).read_text())
+    conf_dict = read_json_file(art_dir / names.MODEL_CONFIG, art_dir)
+    if not isinstance(conf_dict, dict):
+        raise QerlError(f"{art_dir / names.MODEL_CONFIG} does not hold a JSON object; recreate the artifact with --force.")
     conf_dict.pop("quantization_config", None)
     model_type = conf_dict.pop("model_type", None)
     if model_type is None:
@@ -102,10 +102,17 @@ def _load_rest(model, tensors: dict[str, torch.Tensor], skip: set[str], dtype: t
 
 def packed_index(art: Artifact) -> dict:
     """The ``packed.json`` of a packed artifact, after checking that its record layout is the one this qerl reads."""
-    index = json.loads(art.file(names.PACKED_INDEX).read_text())
+    index = art.read_json(names.PACKED_INDEX)
+    if not isinstance(index, dict):
+        index = {}
     if index.get("layout") != layout.LAYOUT_NAME:
         raise QerlError(f"{art.path} uses packed layout '{index.get('layout')}'; this qerl reads {layout.LAYOUT_NAME}: "
                         f"re-run `qerl pack` on its quant artifact.")
+    if not isinstance(index.get("linears"), dict) or not all(
+            isinstance(i, dict) and isinstance(i.get("out_features"), int) and isinstance(i.get("in_features"), int)
+            for i in index["linears"].values()):
+        raise QerlError(f"{art.path} is damaged: its {names.PACKED_INDEX} is not a packed index; recreate it with "
+                        "--force.")
     return index
 
 
@@ -115,7 +122,10 @@ def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device:
     (``tensors``: the artifact's weights when the caller has already read them)."""
     index = packed_index(art)
     if tensors is None:
-        tensors = load_file(str(art.file(names.MODEL_WEIGHTS)))
+        tensors = art.read_tensors(names.MODEL_WEIGHTS)
+    for k, t in tensors.items():  # (the codes are uint8; scales, norms and embeddings must be finite)
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise QerlError(f"{art.path} holds NaN or infinite values in {k}; recreate it from a finite model.")
     model = _skeleton(art.path, dtype)
     skip = set()
     for name, info in index["linears"].items():
@@ -136,7 +146,7 @@ def attach_norm_folding(model, art_dir: Path) -> None:
     divided by, from an artifact's ``awq_folding.safetensors`` (absent for round-to-nearest): the rollout
     engine defines AQN's sigma on the unfolded scales with them."""
     path = Path(art_dir) / names.FOLDING
-    folds = load_file(str(path)) if path.is_file() else {}
+    folds = read_tensors_file(path, Path(art_dir)) if path.is_file() else {}
     model.qerl_norm_folding = {k: v.float() for k, v in folds.items() if k.rsplit(".", 1)[-1].endswith("layernorm")}
 
 

@@ -274,6 +274,8 @@ def report(paths: list[str | Path], output: str | Path, force: bool = False,
     output = Path(output)
     if not paths:
         raise QerlError("report needs at least one artifact.")
+    if target_accuracy is not None and not 0.0 <= target_accuracy <= 1.0:  # (False for NaN too)
+        raise QerlError(f"--target-accuracy must be an accuracy between 0 and 1, got {target_accuracy}.")
     arts = [artifact.open_artifact(p, (names.KIND_EVAL, names.KIND_RUN)) for p in paths]
     evals = [a for a in arts if a.kind == names.KIND_EVAL]
     runs = [a for a in arts if a.kind == names.KIND_RUN]

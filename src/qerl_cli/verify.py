@@ -306,11 +306,10 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
     conf = config.as_dict(cfg) | {"backend": backend}
 
     def body(tmp: Path) -> dict:
-        from safetensors.torch import load_file
         from transformers import AutoTokenizer
 
         ref_tensors = load_checkpoint(q)
-        packed_tensors = load_file(str(p.file(names.MODEL_WEIGHTS)))
+        packed_tensors = p.read_tensors(names.MODEL_WEIGHTS)
         index = packed_index(p)
         round_trip = check_round_trip(packed_tensors, index, ref_tensors, lineage_ok)
         act_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32

@@ -1,0 +1,181 @@
+"""Bad input found by an adversarial pass over the CLI: each case is one clear sentence on stderr, exit 1, and
+no output (or an untouched old output)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from qerl_cli import modelio, names
+from qerl_cli.errors import QerlError
+
+
+def _clean_error(res: subprocess.CompletedProcess, match: str = "") -> str:
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].rstrip().endswith("."), res.stderr
+    assert match in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_pack_without_its_manifest_is_not_taken_for_a_source_model(tiny_pipeline, tmp_path):
+    """A packed dir whose manifest.json was deleted has config.json and model.safetensors, so it looked like a HF
+    model directory: rollout loaded it as the bf16 baseline with every projection randomly initialised."""
+    p = tmp_path / "packed"
+    shutil.copytree(tiny_pipeline["packed"], p)
+    (p / names.MANIFEST).unlink()
+    out = tmp_path / "ro"
+    _clean_error(run_cli("rollout", str(p), "--prompts", "arith:1", "-G", "1", "--max-new-tokens", "2",
+                         "--no-progress", "-o", str(out)), "lost its manifest.json")
+    assert not out.exists()
+
+
+def test_a_model_directory_with_missing_weights_is_refused(tiny_pipeline, tmp_path):
+    """transformers fills weights missing from a checkpoint with random numbers; qerl must refuse instead."""
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "model"
+    shutil.copytree(tiny_pipeline["model"], m)
+    t = load_file(str(m / names.MODEL_WEIGHTS))
+    del t["model.layers.1.mlp.down_proj.weight"]
+    save_file(t, str(m / names.MODEL_WEIGHTS), metadata={"format": "pt"})
+    with pytest.raises(QerlError, match="lacks the weight model.layers.1.mlp.down_proj.weight"):
+        modelio.load(modelio.resolve(str(m)))
+
+
+def test_wrapping_a_model_in_lora_prints_no_warning(tiny_pipeline):
+    """peft's FutureWarning about transformers' is_gradient_checkpointing reached stderr in every train run, so a
+    failing train run printed three lines instead of one sentence."""
+    import warnings
+
+    from qerl_cli import artifact, lora
+    from qerl_cli.packed_model import load_packed_model
+
+    model = load_packed_model(artifact.open_artifact(tiny_pipeline["packed"], names.KIND_PACKED))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lora.wrap(model, 4, 8.0)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("report",), "Missing argument 'artifacts'"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "-G", "abc"), "'--group'"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--bogus"), "--bogus"),
+    (("rollout", "x", "-o", "y"), "'--prompts'"),
+    (("no-such-stage",), "no-such-stage"),
+])
+def test_usage_errors_are_one_sentence(args, match):
+    """A bad, missing or unknown option printed click's usage lines and an error box (5+ lines on stderr)."""
+    res = run_cli(*args)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout and not res.stdout.strip()
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("--help`."), res.stderr
+    assert match in lines[0], lines[0]
+
+
+def test_help_version_and_no_arguments_still_work():
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.startswith("qerl ")
+    res = run_cli()
+    assert "Usage: qerl" in res.stdout and "rollout" in res.stdout and res.returncode == 2
+    res = run_cli("pack", "--help")
+    assert res.returncode == 0 and "qerl pack" in res.stdout and not res.stderr.strip()
+
+
+@pytest.mark.parametrize("target", [2.0, -0.1, float("nan")])
+def test_report_refuses_a_target_accuracy_outside_0_1(tmp_path, target):
+    """--target-accuracy 2 (a percent typed as a number?) or nan was accepted: 'not reached' for every run, and a
+    NaN written into the manifest (not valid JSON)."""
+    from qerl_cli import report
+
+    with pytest.raises(QerlError, match="--target-accuracy must be an accuracy between 0 and 1"):
+        report.report([tmp_path / "no-run"], tmp_path / "rep", target_accuracy=target)
+    assert not (tmp_path / "rep").exists()
+
+
+def _rehash(d: Path) -> None:
+    """Re-hash an artifact's manifest after an edit: a tamper that the digest check cannot see."""
+    import json
+
+    from qerl_cli import artifact
+
+    m = json.loads((d / names.MANIFEST).read_text())
+    m["files"] = artifact._list_files(d)
+    m["digest"] = artifact._digest(m["key"], m["files"])
+    (d / names.MANIFEST).write_text(json.dumps(m))
+
+
+def _garbage(f: Path) -> None:
+    f.write_bytes(b"\x00" * 64)
+
+
+def _truncated(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _nan_norm(f: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(f))
+    t["model.layers.0.input_layernorm.weight"][3] = float("nan")
+    save_file(t, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("rel,edit,match", [
+    (names.MODEL_WEIGHTS, _garbage, "its model.safetensors cannot be read"),
+    (names.MODEL_WEIGHTS, _truncated, "its model.safetensors cannot be read"),
+    (names.MODEL_WEIGHTS, _nan_norm, "NaN or infinite values in model.layers.0.input_layernorm.weight"),
+    (names.PACKED_INDEX, lambda f: f.write_text("{not json"), "its packed.json cannot be read"),
+    (names.PACKED_INDEX, lambda f: f.write_text('{"layout": "qerl-nvfp4-tile16x64-v2", "linears": 3}'),
+     "not a packed index"),
+    (names.MODEL_CONFIG, lambda f: f.write_text("[1, 2"), "its config.json cannot be read"),
+])
+def test_a_pack_damaged_under_a_rehashed_manifest_is_one_sentence(tiny_pipeline, tmp_path, rel, edit, match):
+    """Files of a pack edited and the manifest re-hashed over them: verify and rollout raised safetensors' or
+    json's exception (a traceback), and a NaN norm scale made rollout crash in torch.multinomial."""
+    from qerl_cli import artifact
+    from qerl_cli.packed_model import load_packed_model
+    from qerl_cli.verify import verify
+
+    run = tmp_path / "run"
+    for k in ("quant", "packed"):
+        shutil.copytree(tiny_pipeline[k], run / k)
+    p = run / "packed"
+    edit(p / rel)
+    _rehash(p)
+    with pytest.raises(QerlError, match=match):
+        load_packed_model(artifact.open_artifact(p, names.KIND_PACKED))
+    with pytest.raises(QerlError, match=match):
+        verify(p, run / "verify", progress=False, device="cpu")
+    assert not (run / "verify").exists()
+
+
+def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
+    """A prompts/data path that is a directory was 'does not exist'; integer LoRA factors were cast and used;
+    a config error ended without a period or a hint of what to do."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import random_adapter
+    from qerl_cli import adapter, artifact, config, data, rollout
+    from qerl_cli.packed_model import load_packed_model
+
+    with pytest.raises(QerlError, match="is a directory"):
+        data.load_records(str(tmp_path))
+    a = random_adapter(tmp_path / "ad")
+    from safetensors.torch import load_file
+
+    t = {k: (v * 10).to(torch.int32) for k, v in load_file(str(a / names.ADAPTER_WEIGHTS)).items()}
+    save_file(t, str(a / names.ADAPTER_WEIGHTS))
+    model = load_packed_model(artifact.open_artifact(tiny_pipeline["packed"], names.KIND_PACKED))
+    with pytest.raises(QerlError, match="floating point"):
+        adapter.load_lora(a, model)
+    with pytest.raises(QerlError, match=r"top_p must be in \(0, 1\]; change that option or --config value\.$"):
+        config.load("rollout", rollout.RolloutConfig, None, {"top_p": 1.5, "progress": False, "engine": "ours",
+                                                             "device": "cpu"})
