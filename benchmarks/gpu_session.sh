@@ -53,6 +53,9 @@
 #                                  rollouts, the variants at M = 32-64, the 7B rollout per variant (auto, v2w8)
 #   26                             session 12, main: build, every GPU test file, then the 7B-shape rollout at batch
 #                                  8 and 64 under auto (the rules of session 12)
+#   27                             session 13 (branch lora-preshrink): build, the fused and engine GPU tests (the
+#                                  LoRA shrinks fused into the norm / SiLU·mul kernels), the 7B-shape LoRA rollout
+#                                  bench (fused shrinks against separate ones, interleaved), LoRA terms per group
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -320,6 +323,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 580 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --kernel-variants auto \
     --json "$OUT/rollout_auto.json" 2>&1 | tee "$OUT/bench_rollout_auto.log" | grep -v '^{'
   stamp 26 "7B rollouts done"
+  ;;
+27)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 27 "kernels built"
+  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_fused_gpu.py \
+    tests/test_engine_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 30 "$OUT/gpu_tests.log"
+  stamp 27 "GPU tests done"
+  lora_rollout $(( 570 - $(date +%s) + t0 )) 27
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -44,6 +44,11 @@ struct alignas(16) Vec8 {
 __device__ __forceinline__ Vec8 ld8(const bf16* p) { return *reinterpret_cast<const Vec8*>(p); }
 __device__ __forceinline__ void st8(bf16* p, const Vec8& x) { *reinterpret_cast<Vec8*>(p) = x; }
 __device__ __forceinline__ float f(bf16 x) { return __bfloat162float(x); }
+// a 16-byte asynchronous copy global -> shared (cp.async, cached at L2 only)
+__device__ __forceinline__ void cp_async16(bf16* smem, const bf16* g) {
+  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
+}
 __device__ __forceinline__ bf16 b(float x) { return __float2bfloat16_rn(x); }
 
 // one block per row; each thread keeps its 8-wide chunks of the summed row in registers (H <= 8 * 4 * threads)
@@ -61,12 +66,52 @@ __device__ __forceinline__ void ld_scale8(const float* p, float (&o)[8]) {
   o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = c.x, o[5] = c.y, o[6] = c.z, o[7] = c.w;
 }
 
+// the RB sums acc[i] of a block's threads, each added over the block (lanes by shuffles, then the warps in
+// order through shared memory), rounded to bf16 and stored as floats at out[i] for i < n (one thread each)
+template <int THREADS, int RB>
+__device__ __forceinline__ void block_sums_to_bf16(float (&acc)[RB], float* __restrict__ out, int n) {
+  __shared__ float part[RB][THREADS / 32];
+#pragma unroll
+  for (int i = 0; i < RB; ++i) {
+    float v = acc[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) part[i][threadIdx.x >> 5] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < RB && static_cast<int>(threadIdx.x) < n) {
+    float t = 0.f;
+#pragma unroll
+    for (int k = 0; k < THREADS / 32; ++k) t += part[threadIdx.x][k];
+    out[threadIdx.x] = f(b(t));
+  }
+}
+
+// LoRA shrink fused into the kernel that makes its input (decode steps): hs[row, r] = bf16(sum_k x[row, k] a[r, k])
+// for the stacked A of the projections that read x. Block (row, j) takes the rank rows [RB j, RB j + RB): each
+// block recomputes its row's x (the same sums in the same order: the same bits), block j == 0 alone writes it.
+constexpr int kNormShrinkRB = 4;
+constexpr int kSiluShrinkRB = 2;
+
 template <typename W>
 __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
     const bf16* __restrict__ h, const bf16* __restrict__ d, const W* __restrict__ w, int64_t w_stride,
-    int rows_per_w, bf16* __restrict__ h_out, bf16* __restrict__ x_out, int width, float eps) {
+    int rows_per_w, bf16* __restrict__ h_out, bf16* __restrict__ x_out, int width, float eps,
+    const bf16* __restrict__ a, int R, float* __restrict__ hs) {
   qerl_pdl::trigger();
+  constexpr int RB = kNormShrinkRB;
+  const int r0 = blockIdx.y * RB;
+  extern __shared__ __align__(16) bf16 as[];  // [RB][width]: a's rank rows of this block (with a)
+  if (a) {  // a constant of the step: its copy into shared memory starts before the wait
+    const int nr = min(RB, R - r0);
+    for (int idx = threadIdx.x; idx < nr * (width / 8); idx += kNormThreads) {
+      const int r = idx / (width / 8), k = 8 * (idx % (width / 8));
+      cp_async16(as + r * width + k, a + (size_t)(r0 + r) * width + k);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
   qerl_pdl::wait();
+  const bool writer = blockIdx.y == 0;
   const int64_t row = blockIdx.x;
   const bf16* hr = h + row * width;
   const bf16* dr = d ? d + row * width : nullptr;
@@ -77,16 +122,16 @@ __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
   for (int c = 0; c < kNormChunks; ++c) {
     const int i = (c * kNormThreads + threadIdx.x) * 8;
     if (i < width) {
-      Vec8 a = ld8(hr + i);
+      Vec8 sv = ld8(hr + i);
       if (dr) {
         const Vec8 e = ld8(dr + i);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) a.v[j] = b(f(a.v[j]) + f(e.v[j]));
-        st8(h_out + row * width + i, a);
+        for (int j = 0; j < 8; ++j) sv.v[j] = b(f(sv.v[j]) + f(e.v[j]));
+        if (writer) st8(h_out + row * width + i, sv);
       }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) ss += f(a.v[j]) * f(a.v[j]);
-      s[c] = a;
+      for (int j = 0; j < 8; ++j) ss += f(sv.v[j]) * f(sv.v[j]);
+      s[c] = sv;
     }
   }
   __shared__ float red[kNormThreads / 32];
@@ -98,6 +143,13 @@ __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
 #pragma unroll
   for (int k = 0; k < kNormThreads / 32; ++k) tot += red[k];
   const float rstd = rsqrtf(tot / static_cast<float>(width) + eps);
+  if (a) {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+  }
+  float acc[RB];
+#pragma unroll
+  for (int i = 0; i < RB; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int c = 0; c < kNormChunks; ++c) {
     const int i = (c * kNormThreads + threadIdx.x) * 8;
@@ -107,9 +159,25 @@ __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(
       Vec8 o;
 #pragma unroll
       for (int j = 0; j < 8; ++j) o.v[j] = b(wv[j] * (rstd * f(s[c].v[j])));
-      st8(x_out + row * width + i, o);
+      if (writer) st8(x_out + row * width + i, o);
+      if (a) {
+#pragma unroll
+        for (int r = 0; r < RB; ++r)
+          if (r0 + r < R) {
+            const Vec8 av = ld8(as + r * width + i);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[r] += f(o.v[j]) * f(av.v[j]);
+          }
+      }
     }
   }
+  if (a) block_sums_to_bf16<kNormThreads, RB>(acc, hs + row * R + r0, R - r0);
+}
+
+// one element of silu_mul: bf16(float(bf16(silu(float(g)))) * float(u))
+__device__ __forceinline__ bf16 silu_mul1(bf16 g, bf16 u) {
+  const float x = f(g);
+  return b(f(b(x / (1.0f + expf(-x)))) * f(u));
 }
 
 __global__ void silu_mul_kernel(const bf16* __restrict__ g, const bf16* __restrict__ u, int64_t in_stride,
@@ -124,12 +192,46 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ g, const bf16* __restri
   const Vec8 gv = ld8(g + r * in_stride + i), uv = ld8(u + r * in_stride + i);
   Vec8 o;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float x = f(gv.v[j]);
-    const bf16 s = b(x / (1.0f + expf(-x)));
-    o.v[j] = b(f(s) * f(uv.v[j]));
-  }
+  for (int j = 0; j < 8; ++j) o.v[j] = silu_mul1(gv.v[j], uv.v[j]);
   st8(out + r * static_cast<int64_t>(width) + i, o);
+}
+
+// silu_mul of one row per block with the down projection's LoRA shrink (see kNormShrinkRB): block (row, j) makes
+// the whole row (block j == 0 writes it) and hs[row, r] for the rank rows r of a in [RB j, RB j + RB); a's rows
+// stream from L2 alongside g and u (too long to hold in registers), two 8-wide chunks per thread in flight
+__global__ void __launch_bounds__(kNormThreads) silu_mul_shrink_kernel(
+    const bf16* __restrict__ g, const bf16* __restrict__ u, int64_t in_stride, bf16* __restrict__ out, int width,
+    const bf16* __restrict__ a, int R, float* __restrict__ hs) {
+  qerl_pdl::trigger();
+  constexpr int RB = kSiluShrinkRB;
+  const int r0 = blockIdx.y * RB;
+  const int nr = min(RB, R - r0);
+  qerl_pdl::wait();
+  const bool writer = blockIdx.y == 0;
+  const int64_t row = blockIdx.x;
+  const bf16* gr = g + row * in_stride;
+  const bf16* ur = u + row * in_stride;
+  float acc[RB];
+#pragma unroll
+  for (int i = 0; i < RB; ++i) acc[i] = 0.f;
+#pragma unroll 2
+  for (int k = threadIdx.x * 8; k < width; k += kNormThreads * 8) {
+    const Vec8 gv = ld8(gr + k), uv = ld8(ur + k);
+    Vec8 av[RB];
+#pragma unroll
+    for (int r = 0; r < RB; ++r)
+      if (r < nr) av[r] = ld8(a + (size_t)(r0 + r) * width + k);
+    Vec8 o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o.v[j] = silu_mul1(gv.v[j], uv.v[j]);
+    if (writer) st8(out + row * static_cast<int64_t>(width) + k, o);
+#pragma unroll
+    for (int r = 0; r < RB; ++r)
+      if (r < nr)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r] += f(o.v[j]) * f(av[r].v[j]);
+  }
+  block_sums_to_bf16<kNormThreads, RB>(acc, hs + row * R + r0, nr);
 }
 
 // LoRA terms of the engine's decode steps (M <= 16 rows), in two small PDL kernels instead of two cuBLAS matmuls
@@ -414,9 +516,11 @@ int blocks_for(int64_t threads, int per_block) { return static_cast<int>((thread
 }  // namespace
 
 // h, d: [rows, width] contiguous (d may be undefined: norm only); w: [width] or [groups, width] with
-// rows = groups * rows_per_w; writes h_out = h + d (when d is given) and x_out = rmsnorm(h_out) * w
+// rows = groups * rows_per_w; writes h_out = h + d (when d is given) and x_out = rmsnorm(h_out) * w; with a
+// [R, width] (contiguous bf16) also hs [rows, R] (fp32) = bf16(x_out @ a^T), a LoRA shrink (see kNormShrinkRB)
 void add_rmsnorm(const at::Tensor& h, const c10::optional<at::Tensor>& d, const at::Tensor& w, int64_t rows_per_w,
-                 at::Tensor& h_out, at::Tensor& x_out, double eps) {
+                 at::Tensor& h_out, at::Tensor& x_out, double eps, const c10::optional<at::Tensor>& a,
+                 const c10::optional<at::Tensor>& hs) {
   check_bf16(h, "h");
   const bool w32 = w.scalar_type() == at::kFloat;
   if (w32) {
@@ -443,27 +547,49 @@ void add_rmsnorm(const at::Tensor& h, const c10::optional<at::Tensor>& d, const 
                 "qerl_fused: d and h_out must be contiguous and shaped like h");
     dp = cptr(*d);
   }
+  const bf16* ap = nullptr;
+  float* hsp = nullptr;
+  int64_t R = 0;
+  if (a.has_value()) {
+    check_bf16(*a, "a");
+    TORCH_CHECK(hs.has_value() && a->dim() == 2 && a->is_contiguous() && a->size(1) == width && a->size(0) > 0,
+                "qerl_fused: add_rmsnorm's a must be contiguous [R, width], with hs");
+    R = a->size(0);
+    TORCH_CHECK(hs->is_cuda() && hs->scalar_type() == at::kFloat && hs->is_contiguous() && hs->dim() == 2 &&
+                    hs->size(0) == rows && hs->size(1) == R,
+                "qerl_fused: add_rmsnorm's hs must be a contiguous fp32 [rows, R] CUDA tensor");
+    ap = cptr(*a);
+    hsp = hs->data_ptr<float>();
+  }
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(h.device());
   const int64_t w_stride = w.dim() == 1 ? int64_t(0) : width;
   const int w_rows = static_cast<int>(w.dim() == 1 ? rows : rows_per_w);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(ap ? (R + kNormShrinkRB - 1) / kNormShrinkRB : 1));
+  const size_t smem = ap ? (size_t)kNormShrinkRB * width * sizeof(bf16) : 0;  // <= 64 KB
+  if (smem > 48 * 1024) {  // (once per device and kernel; idempotent, so a race between threads is harmless)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(add_rmsnorm_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(add_rmsnorm_kernel<bf16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
   if (w32) {
-    C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel<float>, dim3(static_cast<unsigned>(rows)),
-                                     dim3(kNormThreads), 0, stream, h.get_device(), cptr(h), dp,
-                                     reinterpret_cast<const float*>(w.data_ptr()), w_stride, w_rows,
+    C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel<float>, grid, dim3(kNormThreads), smem, stream, h.get_device(),
+                                     cptr(h), dp, reinterpret_cast<const float*>(w.data_ptr()), w_stride, w_rows,
                                      dp ? mptr(h_out) : nullptr, mptr(x_out), static_cast<int>(width),
-                                     static_cast<float>(eps)));
+                                     static_cast<float>(eps), ap, static_cast<int>(R), hsp));
   } else {
-    C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel<bf16>, dim3(static_cast<unsigned>(rows)),
-                                     dim3(kNormThreads), 0, stream, h.get_device(), cptr(h), dp, cptr(w), w_stride,
-                                     w_rows, dp ? mptr(h_out) : nullptr, mptr(x_out), static_cast<int>(width),
-                                     static_cast<float>(eps)));
+    C10_CUDA_CHECK(qerl_pdl::launch(add_rmsnorm_kernel<bf16>, grid, dim3(kNormThreads), smem, stream, h.get_device(),
+                                     cptr(h), dp, cptr(w), w_stride, w_rows, dp ? mptr(h_out) : nullptr, mptr(x_out),
+                                     static_cast<int>(width), static_cast<float>(eps), ap, static_cast<int>(R), hsp));
   }
 }
 
-// g, u: [rows, width] views with unit column stride and one shared row stride; out: [rows, width] contiguous
-void silu_mul(const at::Tensor& g, const at::Tensor& u, at::Tensor& out) {
+// g, u: [rows, width] views with unit column stride and one shared row stride; out: [rows, width] contiguous;
+// with a [R, width] (contiguous bf16) also hs [rows, R] (fp32) = bf16(out @ a^T), the down projection's LoRA shrink
+void silu_mul(const at::Tensor& g, const at::Tensor& u, at::Tensor& out, const c10::optional<at::Tensor>& a,
+              const c10::optional<at::Tensor>& hs) {
   check_bf16(g, "g");
   check_bf16(u, "u");
   check_bf16(out, "out");
@@ -473,6 +599,24 @@ void silu_mul(const at::Tensor& g, const at::Tensor& u, at::Tensor& out) {
                   g.size(1) % 8 == 0,
               "qerl_fused: silu_mul needs unit column strides, one row stride, widths and strides multiple of 8");
   const int64_t rows = g.size(0), width = g.size(1), n = rows * (width / 8);
+  if (a.has_value()) {
+    check_bf16(*a, "a");
+    TORCH_CHECK(hs.has_value() && a->dim() == 2 && a->is_contiguous() && a->size(1) == width && a->size(0) > 0 &&
+                    width < (int64_t(1) << 30),
+                "qerl_fused: silu_mul's a must be contiguous [R, width], with hs");
+    const int64_t R = a->size(0);
+    TORCH_CHECK(hs->is_cuda() && hs->scalar_type() == at::kFloat && hs->is_contiguous() && hs->dim() == 2 &&
+                    hs->size(0) == rows && hs->size(1) == R,
+                "qerl_fused: silu_mul's hs must be a contiguous fp32 [rows, R] CUDA tensor");
+    if (rows == 0) return;
+    const c10::cuda::CUDAGuard guard(g.device());
+    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((R + kSiluShrinkRB - 1) / kSiluShrinkRB));
+    C10_CUDA_CHECK(qerl_pdl::launch(silu_mul_shrink_kernel, grid, dim3(kNormThreads), 0,
+                                     c10::cuda::getCurrentCUDAStream().stream(), g.get_device(), cptr(g), cptr(u),
+                                     g.stride(0), mptr(out), static_cast<int>(width), cptr(*a), static_cast<int>(R),
+                                     hs->data_ptr<float>()));
+    return;
+  }
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(g.device());
   C10_CUDA_CHECK(qerl_pdl::launch(silu_mul_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
@@ -528,6 +672,29 @@ int* lora_counters(const at::Tensor& like) {
   return it->second.data_ptr<int>();
 }
 
+// segs (see lora_add) into LoraSegs; false when they are malformed (odd, decreasing, past R or not ending at N)
+bool parse_segs(const std::vector<int64_t>& segs, int64_t N, int64_t R, LoraSegs& sg) {
+  sg = LoraSegs{};
+  if (segs.empty()) {
+    sg.n = 1;
+    sg.col_end[0] = static_cast<int>(N);
+    sg.row_end[0] = static_cast<int>(R);
+    return true;
+  }
+  if (segs.size() % 3 != 0 || segs.size() / 3 > (size_t)kLoraMaxSegs) return false;
+  sg.n = static_cast<int>(segs.size() / 3);
+  int64_t prev = 0;
+  for (int i = 0; i < sg.n; ++i) {
+    const int64_t ce = segs[3 * i], rb = segs[3 * i + 1], re = segs[3 * i + 2];
+    if (ce <= prev || ce % 2 != 0 || rb < 0 || rb > re || re > R) return false;
+    sg.col_end[i] = static_cast<int>(ce);
+    sg.row_begin[i] = static_cast<int>(rb);
+    sg.row_end[i] = static_cast<int>(re);
+    prev = ce;
+  }
+  return prev == N;
+}
+
 template <int MT, int U>
 void launch_lora(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, const at::Tensor& bs,
                  at::Tensor& out, const LoraSegs& segs) {
@@ -567,24 +734,7 @@ bool lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, con
       N % 2 != 0 || N >= (1 << 30) || R * (M <= 8 ? 8 : 16) > 8192)  // (h transposed in 32 KB of shared memory)
     return false;
   LoraSegs sg{};
-  if (segs.empty()) {
-    sg.n = 1;
-    sg.col_end[0] = static_cast<int>(N);
-    sg.row_end[0] = static_cast<int>(R);
-  } else {
-    if (segs.size() % 3 != 0 || segs.size() / 3 > (size_t)kLoraMaxSegs) return false;
-    sg.n = static_cast<int>(segs.size() / 3);
-    int64_t prev = 0;
-    for (int i = 0; i < sg.n; ++i) {
-      const int64_t ce = segs[3 * i], rb = segs[3 * i + 1], re = segs[3 * i + 2];
-      if (ce <= prev || ce % 2 != 0 || rb < 0 || rb > re || re > R) return false;
-      sg.col_end[i] = static_cast<int>(ce);
-      sg.row_begin[i] = static_cast<int>(rb);
-      sg.row_end[i] = static_cast<int>(re);
-      prev = ce;
-    }
-    if (prev != N) return false;
-  }
+  if (!parse_segs(segs, N, R, sg)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   const bool wide = K > 8192;  // longer K chunks: fewer partials to gather
   if (M <= 8) {
@@ -597,14 +747,54 @@ bool lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, con
   return true;
 }
 
+// out [M, N] = y + hs @ bs: the expand of lora_add alone, for an hs [M, R] (fp32 holding bf16 values, contiguous)
+// that a fused shrink made (add_rmsnorm / silu_mul with a); y, out, bs as in lora_add. False (nothing launched)
+// where the kernel does not take the tensors.
+bool lora_expand(const at::Tensor& hs, const at::Tensor& y, const at::Tensor& bs, at::Tensor& out,
+                 const std::vector<int64_t>& segs) {
+  const at::Tensor* args[] = {&y, &bs, &out};
+  for (const at::Tensor* t : args) {
+    if (!t->is_cuda() || t->scalar_type() != at::kBFloat16 || !t->is_contiguous() || t->dim() != 2 ||
+        reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0 || t->get_device() != y.get_device())
+      return false;
+  }
+  if (!hs.is_cuda() || hs.scalar_type() != at::kFloat || !hs.is_contiguous() || hs.dim() != 2 ||
+      hs.get_device() != y.get_device())
+    return false;
+  const int64_t M = hs.size(0), R = hs.size(1), N = y.size(1);
+  if (y.size(0) != M || bs.size(0) != R || bs.size(1) != N || out.sizes() != y.sizes()) return false;
+  if (M < 1 || M > kLoraMaxM || R < 1 || N % 2 != 0 || N >= (1 << 30) || R * (M <= 8 ? 8 : 16) > 8192) return false;
+  LoraSegs sg{};
+  if (!parse_segs(segs, N, R, sg)) return false;
+  const c10::cuda::CUDAGuard guard(y.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int MT = M <= 8 ? 8 : 16;
+  auto launch = [&](auto kern) {
+    C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3(blocks_for(N / 2, kExpandThreads / kExpandQ)), dim3(kExpandThreads),
+                                     (size_t)R * MT * sizeof(float), stream, y.get_device(), hs.data_ptr<float>(),
+                                     cptr(y), cptr(bs), mptr(out), static_cast<int>(M), static_cast<int>(N),
+                                     static_cast<int>(R), sg));
+  };
+  if (MT == 8) launch(lora_expand_kernel<8>);
+  else launch(lora_expand_kernel<16>);
+  return true;
+}
+
 #endif  // QERL_NO_TORCH
 
 }  // namespace qerl_fused
 
 #ifndef QERL_NO_TORCH
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rmsnorm", &qerl_fused::add_rmsnorm, "h_out = h + d; x_out = rmsnorm(h_out) * w (bf16 rows)");
-  m.def("silu_mul", &qerl_fused::silu_mul, "out = silu(g) * u (bf16 rows)");
+  m.def("add_rmsnorm", &qerl_fused::add_rmsnorm,
+        "h_out = h + d; x_out = rmsnorm(h_out) * w (bf16 rows); with a: hs = bf16(x_out @ a^T) (fp32)", py::arg("h"),
+        py::arg("d"), py::arg("w"), py::arg("rows_per_w"), py::arg("h_out"), py::arg("x_out"), py::arg("eps"),
+        py::arg("a") = py::none(), py::arg("hs") = py::none());
+  m.def("silu_mul", &qerl_fused::silu_mul, "out = silu(g) * u (bf16 rows); with a: hs = bf16(out @ a^T) (fp32)",
+        py::arg("g"), py::arg("u"), py::arg("out"), py::arg("a") = py::none(), py::arg("hs") = py::none());
+  m.def("lora_expand", &qerl_fused::lora_expand,
+        "out = y + hs @ bs for decode rows (M <= 16), hs from a fused shrink; false when the kernel does not take them",
+        py::arg("hs"), py::arg("y"), py::arg("bs"), py::arg("out"), py::arg("segs") = std::vector<int64_t>());
   m.def("rope_kv", &qerl_fused::rope_kv, "rotary on q and k of a fused qkv row; k, v into the KV cache");
   m.def("lora_add", &qerl_fused::lora_add,
         "out = y + bf16(x @ a^T) @ bs for decode rows (M <= 16); false when the shapes need the matmul path",

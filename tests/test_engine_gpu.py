@@ -167,3 +167,52 @@ def test_pdl_on_off_identical_packed_qwen2():
             layer.self_attn.k_proj.bias.zero_()
     c = Engine(m, "cuda").generate(PROMPTS, 3, cfg, 7, set(), 0)
     assert not torch.equal(c.behaviour_logprobs, a.behaviour_logprobs)
+
+
+def test_fused_lora_shrink_in_decode(gpu_model, monkeypatch):
+    """Decode steps with an adapter: the q/k/v, gate/up and down shrinks ride in the norm and SiLU·mul kernels
+    (counted), and the policy is the one without that fusion: greedy tokens agree, and the behaviour log-probs
+    of a sampled rollout match the teacher-forced forward (which runs the matmul chain) within bf16 rounding.
+    Rank 6: rank rows that are not a multiple of the kernels' rows per block."""
+    from qerl_cli import engine as engine_mod
+    from qerl_cli.engine import LoRA
+
+    made = {"norm": 0, "silu": 0}
+
+    def counting(name, fn):
+        def call(*args):
+            out = fn(*args)
+            made[name] += out is not None
+            return out
+        return call
+
+    monkeypatch.setattr(engine_mod._fk, "add_norm_shrink", counting("norm", engine_mod._fk.add_norm_shrink))
+    monkeypatch.setattr(engine_mod._fk, "silu_mul_shrink", counting("silu", engine_mod._fk.silu_mul_shrink))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    factors = {}
+    for i, layer in enumerate(gpu_model.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            lin = layer.get_submodule(name)
+            factors[f"model.layers.{i}.{name}"] = (
+                torch.randn(6, lin.in_features, device="cuda", generator=g) * 0.05,
+                torch.randn(lin.out_features, 6, device="cuda", generator=g) * 0.05)
+    engines = []
+    for fused_shrink in (False, True):
+        eng = Engine(gpu_model, "cuda")
+        eng.set_adapter(LoRA(factors, scaling=2.0))
+        eng.fused_shrink = fused_shrink
+        engines.append(eng)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    off = engines[0].generate(PROMPTS, 2, greedy, 0, set(), 0)
+    assert made == {"norm": 0, "silu": 0}
+    on = engines[1].generate(PROMPTS, 2, greedy, 0, set(), 0)
+    n_layers = len(gpu_model.model.layers)
+    assert made["norm"] >= 2 * n_layers and made["silu"] >= n_layers, made  # (warm-up and graph capture)
+    assert float((off.completion_ids[:, :4] == on.completion_ids[:, :4]).float().mean()) >= 0.75
+    s = engines[1].generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)
+    with torch.no_grad():
+        tf = engines[1].sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0,
+                                          group=4).float().cpu()
+    gap = (tf - s.behaviour_logprobs).abs()[s.completion_mask]
+    assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03

@@ -143,6 +143,79 @@ def test_lora_add_declines_what_it_does_not_take():
         fused.lora_add(y[:4], x[:4], _rand(8, 32), bs)
 
 
+def _within_one_bf16_rounding(got: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> None:
+    """``got`` is bf16(x @ a^T) up to the order of the fp32 sums: bf16 values, each within one bf16 unit of the
+    fp32 product (plus a floor for sums that cancel), and not all zero."""
+    ref = x.float().reshape(-1, x.shape[-1]) @ a.float().t()
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.equal(got, got.bfloat16().float())  # rounded to bf16, as the matmul chain rounds h
+    slack = 2**-7 * ref.abs() + 1e-5 * float(ref.abs().max())
+    assert bool(((got - ref).abs() <= slack).all()), float((got - ref).abs().max())
+    assert float(got.abs().max()) > 0
+
+
+@pytest.mark.parametrize("rows,width,r,per_row,with_d", [(8, 3584, 96, True, True), (5, 576, 18, False, False),
+                                                         (16, 8192, 40, False, True), (1, 5120, 7, True, True)])
+def test_add_norm_shrink(rows, width, r, per_row, with_d):
+    """add + RMSNorm with the LoRA shrink of its output in the same kernel: the residual and x bit-identical to
+    add_norm's, hs = bf16(x @ a^T) within one rounding (fp32 noisy per-row scales, bf16 shared ones; rank rows
+    not a multiple of the kernel's 4 per block; 64 KB of a in shared memory at width 8192); deterministic."""
+    h, d = _rand(rows, 1, width, scale=4), (_rand(rows, 1, width, scale=4) if with_d else None)
+    w = 1 + 0.1 * torch.randn(rows if per_row else 1, 1, width, device="cuda")
+    w = w if per_row else w.view(width).bfloat16()
+    a = _rand(r, width, scale=0.05)
+    made = fused.add_norm_shrink(h, d, w, 1e-5, a)
+    assert made is not None
+    s, x, hs = made
+    s_ref, x_ref = fused.add_norm(h, d, w, 1e-5)
+    assert torch.equal(s, s_ref) and torch.equal(x, x_ref)
+    _within_one_bf16_rounding(hs, x, a)
+    assert torch.equal(hs, fused.add_norm_shrink(h, d, w, 1e-5, a)[2])
+
+
+@pytest.mark.parametrize("rows,width,r", [(8, 18944, 32), (3, 1536, 5), (16, 27648, 64)])
+def test_silu_mul_shrink(rows, width, r):
+    """SiLU·mul with the down projection's LoRA shrink: the activation bit-identical to silu_mul's (on the strided
+    halves of a fused gate/up output), hs = bf16(out @ a^T) within one rounding; deterministic."""
+    y = _rand(rows, 2 * width, scale=3.0)
+    g, u = y.split(width, dim=-1)
+    a = _rand(r, width, scale=0.05)
+    made = fused.silu_mul_shrink(g, u, a)
+    assert made is not None
+    out, hs = made
+    assert torch.equal(out, F.silu(g) * u)
+    _within_one_bf16_rounding(hs, out, a)
+    assert torch.equal(hs, fused.silu_mul_shrink(g, u, a)[1])
+
+
+def test_lora_expand_after_fused_shrink():
+    """The expand alone on a fused shrink's hs: y + hs @ bs within bf16 rounding of the fp32 value, the member
+    segments of a block-diagonal bs honoured (a member without a term keeps y), the same as lora_add's whole
+    chain within bf16 rounding; more than 16 rows declined, disagreeing shapes an error."""
+    m, k, sizes, ranks = 8, 3584, (3584, 512, 512), (8, 0, 24)
+    h, a = _rand(m, 1, k, scale=4), _rand(sum(ranks), k, scale=0.05)
+    w = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16()
+    _, x, hs = fused.add_norm_shrink(h, None, w, 1e-5, a)
+    y = _rand(m, sum(sizes))
+    bs = torch.zeros(sum(ranks), sum(sizes), dtype=torch.bfloat16, device="cuda")
+    segs, row, col = [], 0, 0
+    for size, r in zip(sizes, ranks):
+        bs[row: row + r, col: col + size] = _rand(r, size, scale=0.05)
+        col += size
+        segs += [col, row, row + r]
+        row += r
+    out = fused.lora_expand(y, hs, bs, tuple(segs))
+    assert out is not None and torch.isfinite(out).all()
+    ref = y.float() + hs @ bs.float()
+    assert float(((out.float() - ref).abs() - 2**-8 * ref.abs()).max()) <= 1e-5
+    assert torch.equal(out[:, sizes[0]: sizes[0] + sizes[1]], y[:, sizes[0]: sizes[0] + sizes[1]])
+    chain = fused.lora_add(y, x.view(m, k), a, bs, tuple(segs))
+    assert float((out.float() - chain.float()).norm() / chain.float().norm()) < 4e-3
+    assert fused.lora_expand(_rand(17, 64), torch.zeros(17, 8, device="cuda"), _rand(8, 64)) is None
+    with pytest.raises(ValueError, match="shapes disagree"):
+        fused.lora_expand(y, hs[:, :4], bs)
+
+
 PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
 
 

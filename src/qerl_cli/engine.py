@@ -291,17 +291,22 @@ def _lora_terms(modules: list, names: list[str], sizes: list[int], lora: "LoRA |
 
 
 def _lora_add(y: torch.Tensor, x: torch.Tensor, terms: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]],
-              kernels: bool = False) -> torch.Tensor:
+              kernels: bool = False, shrunk: torch.Tensor | None = None) -> torch.Tensor:
     """``y`` plus the batched LoRA term of ``x`` (see ``_lora_terms``); the add rides in the second matmul's
     epilogue where the dtypes agree (peft's fp32 factors on bf16 activations without autocast: added after).
     ``kernels``: no-grad bf16 CUDA calls of at most ``fused.LORA_MAX_ROWS`` rows (decode steps) and outputs at
-    most ``fused.LORA_KERNEL_MAX_N`` wide run the two fused kernels of ``fused.lora_add`` instead of the matmuls."""
+    most ``fused.LORA_KERNEL_MAX_N`` wide run the two fused kernels of ``fused.lora_add`` instead of the matmuls.
+    ``shrunk``: ``bf16(x @ A^T)`` already made (fp32 ``[rows, R]``, by the fused kernel that made ``x``): only
+    the expand is left (bf16 tensors, no grad, no autocast)."""
     a, bs, segs = terms
     auto = torch.is_autocast_enabled(x.device.type)
     y2 = y.reshape(-1, y.shape[-1])
-    if (kernels and not auto and y.is_cuda and y2.shape[0] <= _fk.LORA_MAX_ROWS and not torch.is_grad_enabled()
-            and y2.shape[1] <= _fk.LORA_KERNEL_MAX_N and x.dtype == y.dtype == a.dtype == bs.dtype == torch.bfloat16):
-        # decode steps: the two small fused kernels (no split-K reduce kernels, launches overlapped)
+    fits = (kernels and not auto and y.is_cuda and y2.shape[0] <= _fk.LORA_MAX_ROWS and not torch.is_grad_enabled()
+            and y2.shape[1] <= _fk.LORA_KERNEL_MAX_N and x.dtype == y.dtype == a.dtype == bs.dtype == torch.bfloat16)
+    if shrunk is not None:
+        out = _fk.lora_expand(y2.contiguous(), shrunk, bs, segs) if fits else None
+        return out.view(y.shape) if out is not None else torch.addmm(y2, shrunk.to(bs.dtype), bs).view(y.shape)
+    if fits:  # decode steps: the two small fused kernels (no split-K reduce kernels, launches overlapped)
         out = _fk.lora_add(y2.contiguous(), x.reshape(-1, x.shape[-1]).contiguous(), a, bs, segs)
         if out is not None:
             return out.view(y.shape)
@@ -462,6 +467,11 @@ class Engine:
         # two cuBLAS matmuls (session 8, H200, 7B shapes at batch 8, rank 32: 1,729 against 1,624 tokens/s);
         # QERL_ENGINE_LORA_KERNELS=0 keeps the matmuls
         self.lora_kernels = os.environ.get("QERL_ENGINE_LORA_KERNELS", "1") != "0"
+        # with those, the shrink x @ A^T of the q/k/v, gate/up and down terms rides in the kernel that makes x
+        # (add + RMSNorm, SiLU·mul: fused.add_norm_shrink, fused.silu_mul_shrink; session 13, H200, 7B shapes at
+        # batch 8, rank 32: 1,800 / 1,803 against 1,727 / 1,718 tokens/s); QERL_ENGINE_FUSED_SHRINK=0 (or False)
+        # launches it on its own
+        self.fused_shrink = os.environ.get("QERL_ENGINE_FUSED_SHRINK", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
 
     # ---------------------------------------------------------------- adapters and noise
@@ -521,11 +531,12 @@ class Engine:
         return self._noisy if self._noisy is not None else self.clean
 
     # ---------------------------------------------------------------- forward
-    def _linear(self, module, name: str, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, module, name: str, x: torch.Tensor, shrunk: torch.Tensor | None = None) -> torch.Tensor:
+        """``module(x)`` with the adapter's term (``shrunk``: its shrink already made, see ``_shrink_terms``)."""
         snap = self._lora_snap.get(id(module)) if self._lora_snap is not None else None
         if snap is not None:  # a no-grad call: the base, then the batched LoRA term (see _lora_terms)
             y = _base_layer(module)(x)
-            return y if snap is _NO_LORA else _lora_add(y, x, snap, self._kernels and self.lora_kernels)
+            return y if snap is _NO_LORA else _lora_add(y, x, snap, self._kernels and self.lora_kernels, shrunk)
         y = module(x)
         if self.lora is not None:
             f = self.lora.factors.get(name)
@@ -534,14 +545,15 @@ class Engine:
                 y = y + (x @ a.t()) @ b.t() * self.lora.scaling
         return y
 
-    def _fused_out(self, f: _Fused, x: torch.Tensor) -> torch.Tensor:
-        """The fused group's output ``[..., sum(sizes)]``, each member's LoRA added to its slice."""
+    def _fused_out(self, f: _Fused, x: torch.Tensor, shrunk: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused group's output ``[..., sum(sizes)]``, each member's LoRA added to its slice (``shrunk``:
+        the batched terms' shrink already made, see ``_shrink_terms``)."""
         y = f.base(x)
         snap = self._lora_snap.get(id(f)) if self._lora_snap is not None else None
         if snap is _NO_LORA:
             return y
         if snap is not None:  # one batched pair for the whole group (see _lora_terms)
-            return _lora_add(y, x, snap, self._kernels and self.lora_kernels)
+            return _lora_add(y, x, snap, self._kernels and self.lora_kernels, shrunk)
         deltas: list[torch.Tensor | None] = []
         for m, n in zip(f.modules, f.names):
             d = _peft_delta(m, x)
@@ -557,12 +569,14 @@ class Engine:
         return y + torch.cat([d if d is not None else ref.new_zeros(ref.shape[:-1] + (size,))
                               for d, size in zip(deltas, f.sizes)], -1).to(y.dtype)
 
-    def _group(self, i: int, key: str, modules: list, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
-        """Outputs of sibling linears on the same input: one fused matmul where the layer has one."""
+    def _group(self, i: int, key: str, modules: list, names: list[str], x: torch.Tensor,
+               shrunk: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Outputs of sibling linears on the same input: one fused matmul where the layer has one (``shrunk``:
+        that group's LoRA shrink already made)."""
         f = self.fused[i].get(key)
         if f is None:
             return [self._linear(m, n, x) for m, n in zip(modules, names)]
-        return list(self._fused_out(f, x).split(f.sizes, dim=-1))
+        return list(self._fused_out(f, x, shrunk).split(f.sizes, dim=-1))
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, key_mask: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, write_at: torch.Tensor | None = None,
@@ -622,26 +636,35 @@ class Engine:
         h, x = ops.add_norm(h, self._attention(i, x, cos, sin, mask, cache, slots, ops), w_post, self.eps)
         return h + self._mlp(i, x, ops.silu_mul)
 
-    def _mlp(self, i: int, x: torch.Tensor, silu_mul) -> torch.Tensor:
-        """The SwiGLU MLP of layer ``i`` on normed ``x`` (``silu_mul(g, u)``: the activation's implementation)."""
+    def _mlp(self, i: int, x: torch.Tensor, silu_mul, shrunk: torch.Tensor | None = None,
+             down_terms: tuple | None = None) -> torch.Tensor:
+        """The SwiGLU MLP of layer ``i`` on normed ``x`` (``silu_mul(g, u)``: the activation's implementation;
+        ``shrunk``: the gate/up terms' shrink already made; ``down_terms``: the down projection's batched LoRA
+        terms, whose shrink then rides in the SiLU·mul kernel where it takes them)."""
         mlp, pre = self.layers[i].mlp, f"model.layers.{i}.mlp."
-        g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "gate_proj", pre + "up_proj"], x)
-        return self._linear(mlp.down_proj, pre + "down_proj", silu_mul(g, u))
+        g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "gate_proj", pre + "up_proj"], x,
+                           shrunk)
+        made = _fk.silu_mul_shrink(g, u, down_terms[0]) if down_terms is not None else None
+        if made is None:
+            return self._linear(mlp.down_proj, pre + "down_proj", silu_mul(g, u))
+        return self._linear(mlp.down_proj, pre + "down_proj", made[0], made[1])
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache,
-                   slots: torch.Tensor | None, ops: _Ops, kernels: bool = False) -> torch.Tensor:
+                   slots: torch.Tensor | None, ops: _Ops, kernels: bool = False,
+                   shrunk: torch.Tensor | None = None) -> torch.Tensor:
         """The attention half of layer ``i`` on normed ``x``: q/k/v, rotary, KV-cache write, SDPA, o_proj.
-        ``kernels``: rotary and the cache write of a fused q/k/v in one fused kernel where possible."""
+        ``kernels``: rotary and the cache write of a fused q/k/v in one fused kernel where possible. ``shrunk``:
+        the fused q/k/v's LoRA shrink already made."""
         b, t, _ = x.shape
         attn, pre = self.layers[i].self_attn, f"model.layers.{i}."
         f = self.fused[i].get("qkv")
         qkn = self.qk_norm[i] if self.qk_norm is not None else None
         if kernels and f is not None and cache is not None and self.head_dim % 16 == 0 and qkn is None:
             kc, vc = cache[i]
-            q = _fk.rope_kv(self._fused_out(f, x), cos, sin, kc, vc, slots[:1], self.n_heads)
+            q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
             k, v = kc, vc
         elif f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
-            y = self._fused_out(f, x)
+            y = self._fused_out(f, x, shrunk)
             nq, nk, _ = f.sizes
             qk = y[..., : nq + nk].view(b, t, self.n_heads + self.n_kv, self.head_dim)
             if qkn is not None:
@@ -680,10 +703,30 @@ class Engine:
         """``_layer`` with the fused kernels (no grad, CUDA, bf16): the residual add of the previous layer's MLP
         output (``pending``) inside this layer's input norm, rotary + KV-cache write in one kernel, SiLU·mul in
         one. Returns the residual stream and this layer's MLP output, not yet added."""
-        h, x = _fk.add_norm(h, pending, w_in, self.eps)
-        o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True)
-        h, x = _fk.add_norm(h, o, w_post, self.eps)
-        return h, self._mlp(i, x, _silu_mul_kernel)
+        rows = h.shape[0] * h.shape[1]
+        t_qkv, t_gu = (self._shrink_terms(self.fused[i].get(k), rows) for k in ("qkv", "gate_up"))
+        t_down = self._shrink_terms(self.layers[i].mlp.down_proj, rows)
+        h, x, s_qkv = self._add_norm(h, pending, w_in, t_qkv)
+        o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True, shrunk=s_qkv)
+        h, x, s_gu = self._add_norm(h, o, w_post, t_gu)
+        return h, self._mlp(i, x, _silu_mul_kernel, s_gu, t_down)
+
+    def _add_norm(self, h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, terms: tuple | None):
+        """``fused.add_norm``, with the LoRA shrink of ``terms`` in the same kernel where it takes them:
+        ``(h + d, x, shrink or None)``."""
+        if terms is not None and (made := _fk.add_norm_shrink(h, d, w, self.eps, terms[0])) is not None:
+            return made
+        return (*_fk.add_norm(h, d, w, self.eps), None)
+
+    def _shrink_terms(self, module, rows: int) -> tuple | None:
+        """The batched LoRA terms of ``module`` (a fused group or a linear) in this no-grad call, where their
+        shrink can ride in the fused kernel that makes their input: decode steps (at most
+        ``fused.LORA_MAX_ROWS`` rows) with the LoRA kernels on, bf16 factors, no autocast. Else None."""
+        if (module is None or self._lora_snap is None or not (self.lora_kernels and self.fused_shrink)
+                or rows > _fk.LORA_MAX_ROWS or torch.is_autocast_enabled("cuda")):
+            return None
+        t = self._lora_snap.get(id(module))
+        return t if isinstance(t, tuple) and t[0].dtype == t[1].dtype == torch.bfloat16 else None
 
     # ---------------------------------------------------------------- sampling
     def _new_cache(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

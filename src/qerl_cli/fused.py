@@ -10,7 +10,11 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
   applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
 * ``lora_add(y, x, a, bs)`` -> ``y + bf16(x @ a^T) @ bs`` (a batched LoRA term) for decode steps of at most 16
   rows, in two small kernels instead of two cuBLAS matmuls (None where the shapes need the matmuls); the engine
-  uses it for outputs up to ``LORA_KERNEL_MAX_N`` wide (``QERL_ENGINE_LORA_KERNELS=0``: never).
+  uses it for outputs up to ``LORA_KERNEL_MAX_N`` wide (``QERL_ENGINE_LORA_KERNELS=0``: never);
+* ``add_norm_shrink(h, d, w, eps, a)`` and ``silu_mul_shrink(g, u, a)``: ``add_norm`` / ``silu_mul`` that also
+  return the LoRA shrink ``hs = bf16(x @ a^T)`` (fp32 holding bf16 values) of the output ``x`` they make, for the
+  projections that read it: no separate shrink launch; ``lora_expand(y, hs, bs)`` -> ``y + hs @ bs`` is then the
+  rest of ``lora_add`` (decode steps of at most 16 rows).
 
 Each rounds where the torch chain it replaces rounds (``silu_mul`` and ``rope_kv`` bit-exact; ``add_norm``
 sums the squares in another order, at most one bf16 unit apart; ``lora_add`` accumulates in fp32 in its own fixed
@@ -29,7 +33,8 @@ import torch
 
 from . import kernel
 
-__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "lora_add", "LORA_MAX_ROWS"]
+__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "lora_add", "add_norm_shrink",
+           "silu_mul_shrink", "lora_expand", "LORA_MAX_ROWS"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
 LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
@@ -37,6 +42,7 @@ LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
 # kernels than in cuBLAS (session 8, H200, benchmarks/results/lora_terms_m8_s8b_h200.json: +17.4 against
 # +16.0 us at M = 8, rank 32; q/k/v, o and down faster: +11.0 / +7.8 / +8.6 against +12.0 / +10.3 / +13.4)
 LORA_KERNEL_MAX_N = 16384
+SHRINK_MAX_R = 512  # add_norm_shrink's / silu_mul_shrink's most rank rows (lora_expand's limit at 16 rows)
 
 _lock = threading.Lock()
 _ext = None
@@ -93,6 +99,64 @@ def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: floa
     s = torch.empty_like(h2)
     _load().add_rmsnorm(h2.contiguous(), d.reshape(-1, width).contiguous(), w2, rows_per_w, s, x, eps)
     return s.view(h.shape), x.view(h.shape)
+
+
+def _shrink_factor_ok(a: torch.Tensor, x_like: torch.Tensor) -> bool:
+    return (a.dim() == 2 and a.dtype == torch.bfloat16 and a.is_cuda and a.device == x_like.device
+            and a.is_contiguous() and a.shape[1] == x_like.shape[-1] and 0 < a.shape[0] <= SHRINK_MAX_R
+            and a.data_ptr() % 16 == 0)
+
+
+def add_norm_shrink(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float, a: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``add_norm`` plus the LoRA shrink of its output in the same kernel: ``(h + d, x, hs)`` with
+    ``hs [rows, R] = bf16(x @ a^T)`` as fp32 (``x`` bit-identical to ``add_norm``'s); None (nothing computed) where
+    the kernel does not take the tensors (not CUDA bf16, scales neither bf16 nor fp32, ``a`` not ``[R <=
+    SHRINK_MAX_R, H]`` contiguous bf16)."""
+    if not (h.is_cuda and h.dtype == torch.bfloat16 and w.dtype in (h.dtype, torch.float32)
+            and _shrink_factor_ok(a, h) and h.shape[-1] % 8 == 0 and h.shape[-1] <= MAX_WIDTH):
+        return None
+    width = h.shape[-1]
+    h2 = h.reshape(-1, width)
+    rows_per_w = 1
+    w2 = w if w.dim() == 1 else w.reshape(-1, width)
+    if w.dim() != 1:
+        rows_per_w = h2.shape[0] // w2.shape[0]
+    x = torch.empty_like(h2)
+    hs = torch.empty(h2.shape[0], a.shape[0], dtype=torch.float32, device=h.device)
+    if d is None:
+        _load().add_rmsnorm(h2.contiguous(), None, w2.contiguous(), rows_per_w, x, x, eps, a, hs)
+        return h, x.view(h.shape), hs
+    s = torch.empty_like(h2)
+    _load().add_rmsnorm(h2.contiguous(), d.reshape(-1, width).contiguous(), w2.contiguous(), rows_per_w, s, x, eps,
+                        a, hs)
+    return s.view(h.shape), x.view(h.shape), hs
+
+
+def silu_mul_shrink(g: torch.Tensor, u: torch.Tensor, a: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``silu_mul`` (bit-identical) plus ``hs [rows, R] = bf16(out @ a^T)`` as fp32 in the same kernel (one block
+    per row and pair of rank rows); None where the kernel does not take the tensors."""
+    width = g.shape[-1]
+    g2, u2 = g.reshape(-1, width), u.reshape(-1, width)
+    if not (g.is_cuda and g.dtype == u.dtype == torch.bfloat16 and _shrink_factor_ok(a, g) and width % 8 == 0
+            and g2.stride() == u2.stride() and g2.stride(1) == 1 and g2.stride(0) % 8 == 0
+            and g2.data_ptr() % 16 == 0 and u2.data_ptr() % 16 == 0):
+        return None
+    out = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
+    hs = torch.empty(g2.shape[0], a.shape[0], dtype=torch.float32, device=g.device)
+    _load().silu_mul(g2, u2, out, a, hs)
+    return out.view(g.shape), hs
+
+
+def lora_expand(y: torch.Tensor, hs: torch.Tensor, bs: torch.Tensor, segs: tuple[int, ...] = ()
+                ) -> torch.Tensor | None:
+    """``y + hs @ bs`` for ``hs [M, R]`` from ``add_norm_shrink`` / ``silu_mul_shrink`` (the second kernel of
+    ``lora_add``, same order of sums); None where the kernel does not take the tensors."""
+    if not (hs.dim() == y.dim() == bs.dim() == 2 and hs.shape[0] == y.shape[0] and bs.shape == (hs.shape[1], y.shape[1])):
+        raise ValueError(f"lora_expand: shapes disagree: hs {tuple(hs.shape)}, y {tuple(y.shape)}, bs {tuple(bs.shape)}")
+    out = torch.empty_like(y)
+    return out if _load().lora_expand(hs, y, bs, out, list(segs)) else None
 
 
 def _add_norm_torch(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
