@@ -82,10 +82,11 @@ def random_lora(model, rank: int) -> LoRA:
 
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
-                sigma=0.0, noise_scope="batch", fused_shrink=True, **engine_kw) -> dict:
+                sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
         eng.set_noise(sigma, 0, noise_scope, batch if noise_scope == "group" else 1, 1)
+    eng.fused_sampler = fused_sampler
     if lora_rank:  # an adapter on every projection, as in training rollouts
         eng.set_adapter(random_lora(model, lora_rank))
         eng.batch_lora = batch_lora
@@ -198,6 +199,9 @@ def main() -> None:
                          "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
     ap.add_argument("--aqn", action="store_true",
                     help="7B-shape NVFP4 rollouts with an AQN draw: fp32-scale norm kernel against torch norms")
+    ap.add_argument("--sampler", action="store_true",
+                    help="7B-shape NVFP4 rollouts at batch 8 and 64: the fused sampling kernel against torch's "
+                         "sampling ops, interleaved twice (and at batch 8 with a rank-32 adapter)")
     ap.add_argument("--kernel-variants", default=None,
                     help="comma-separated small-M kernel variants (qerl_cli.kernel.VARIANTS): 7B shapes, NVFP4 "
                          "only, batch 8 and 64, each variant forced in turn (one packed model, one process)")
@@ -240,6 +244,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     if args.aqn:
         aqn_part(result, rows, save)
+    elif args.sampler:
+        sampler_part(result, rows, save)
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.lora_only:
@@ -321,6 +327,26 @@ def aqn_part(result, rows, save) -> None:
                              "engine": f"ours-nvfp4 AQN {scope} " + ("fp32-scale kernel" if kern else "torch norms"),
                              **r})
                 save()
+
+
+def sampler_part(result, rows, save) -> None:
+    """The 7B-shape NVFP4 rollout with the decode step's sampling in the fused kernel (fused.sample_step, the
+    default) and in torch's ops, interleaved twice at batch 8 and 64, then both at batch 8 with a rank-32 adapter."""
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    for batch in (8, 64):
+        for _ in range(2):
+            for fused_sampler in (True, False):
+                rows.append({"model": "Qwen2.5-7B-shape", "batch": batch,
+                             "engine": "ours-nvfp4 " + ("fused sampler" if fused_sampler else "torch sampler"),
+                             **time_engine(big, batch, 256, 512, 152064, fused_sampler=fused_sampler)})
+                save()
+    for fused_sampler in (True, False):
+        rows.append({"model": "Qwen2.5-7B-shape", "batch": 8,
+                     "engine": "ours-nvfp4 +lora32 " + ("fused sampler" if fused_sampler else "torch sampler"),
+                     **time_engine(big, 8, 256, 512, 152064, lora_rank=32, fused_sampler=fused_sampler)})
+        save()
 
 
 def variants_part(result, rows, save, names: list[str]) -> None:

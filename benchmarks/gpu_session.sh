@@ -56,6 +56,9 @@
 #   27                             session 13 (branch lora-preshrink): build, the fused and engine GPU tests (the
 #                                  LoRA shrinks fused into the norm / SiLU·mul kernels), the 7B-shape LoRA rollout
 #                                  bench (fused shrinks against separate ones, interleaved), LoRA terms per group
+#   28                             session 13 (branch fused-sampler): build, the fused and engine GPU tests (the
+#                                  fused sampling kernel), the 7B-shape rollouts with the fused sampler against
+#                                  torch's sampling ops (bench_rollout.py --sampler)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -331,6 +334,16 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     tests/test_engine_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 30 "$OUT/gpu_tests.log"
   stamp 27 "GPU tests done"
   lora_rollout $(( 570 - $(date +%s) + t0 )) 27
+  ;;
+28)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 28 "kernels built"
+  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_fused_gpu.py \
+    tests/test_engine_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 40 "$OUT/gpu_tests.log"
+  stamp 28 "GPU tests done"
+  timeout $(( 570 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --sampler \
+    --json "$OUT/rollout_sampler.json" 2>&1 | tee "$OUT/bench_rollout_sampler.log" | grep -v '^{'
+  stamp 28 "sampler rollouts done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -16,6 +16,7 @@
 // Each kernel lets the next one on the stream launch at once and waits for the one before it before touching
 // memory (programmatic dependent launch, csrc/pdl.cuh): a launch's latency hides behind the previous kernel.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -499,6 +500,156 @@ __global__ void rope_kv_kernel(const bf16* __restrict__ y, int64_t y_stride, con
   st8(dst + hi, oh);
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// One decode step's sampling from fp32 logits [rows, V] at temperature T without truncation (no top-k / top-p),
+// with the step's bookkeeping, in one kernel instead of about fifteen torch ops:
+//   * token: the Gumbel-max trick, tok = argmax_i (z_i + G_i) with z = logits / T and G_i = -log(-log(U_i)), an
+//     exact draw from softmax(z); U_i from Philox4x32-10 keyed by the seed, counter (i / 4, step, row, 0), so a
+//     draw depends on (seed, step, row) only, not on the launch's split;
+//   * log-prob: z_tok - logsumexp(z) (the behaviour log-prob: tempered, nothing truncated), fp32;
+//   * finished rows (an earlier eos) get the pad token, mask 0 and log-prob 0; a live row that samples an eos
+//     becomes finished; a row whose logits hold a NaN or +inf raises the flag *bad (nothing is sampled from it).
+// Block (row, s) scans slice s of the vocabulary (online max / sum of exponentials, Gumbel argmax), writes its
+// partial to the workspace, and the last block of the row (a self-resetting ticket) combines the partials in
+// slice order (ties: the lower index), so the result does not depend on scheduling.
+constexpr int kSampleThreads = 256;
+constexpr int kSampleMaxSplit = 64;
+constexpr int kSampleMaxRows = 16384;
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+  for (int i = 0; i < 10; ++i) {
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    k.x += 0x9E3779B9u;
+    k.y += 0xBB67AE85u;
+  }
+  return c;
+}
+
+// a uniform in (0, 1) from 32 random bits (never 0 or 1: the Gumbel transform stays finite)
+__device__ __forceinline__ float unit_open(uint32_t r) { return (static_cast<float>(r >> 8) + 0.5f) * 0x1p-24f; }
+
+struct SamplePart {
+  float m, l, g;  // running max of z, sum of exp(z - m), best z + G
+  int i;          // its index
+};
+
+__device__ __forceinline__ void part_add(SamplePart& a, const SamplePart& b) {
+  if (b.m != -INFINITY) {
+    if (a.m == -INFINITY) {
+      a.m = b.m;
+      a.l = b.l;
+    } else if (b.m > a.m) {
+      a.l = a.l * __expf(a.m - b.m) + b.l;
+      a.m = b.m;
+    } else {
+      a.l += b.l * __expf(b.m - a.m);
+    }
+  }
+  if (b.g > a.g || (b.g == a.g && b.i < a.i)) {
+    a.g = b.g;
+    a.i = b.i;
+  }
+}
+
+__global__ void __launch_bounds__(kSampleThreads) sample_step_kernel(
+    const float* __restrict__ logits, int64_t ld, int V, float inv_t, uint2 key, uint32_t step, int chunk,
+    float4* __restrict__ ws, int* __restrict__ counters, bool* __restrict__ finished, const int64_t* __restrict__ eos,
+    int n_eos, int64_t pad, int64_t* __restrict__ tok_out, int64_t* __restrict__ out, bool* __restrict__ mask,
+    float* __restrict__ blp, float* __restrict__ tlp, int64_t col_ld, int* __restrict__ bad) {
+  qerl_pdl::trigger();
+  qerl_pdl::wait();
+  const int row = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+  const float* z = logits + (int64_t)row * ld;
+  const int lo = s * chunk, hi = min(V, lo + chunk);  // chunk % 4 == 0: a Philox block never straddles slices
+  SamplePart p{-INFINITY, 0.f, -INFINITY, INT_MAX};
+  bool nonfinite = false;
+  for (int q = lo + 4 * threadIdx.x; q < hi; q += 4 * kSampleThreads) {
+    const uint4 r = philox4x32_10(make_uint4(static_cast<uint32_t>(q >> 2), step, static_cast<uint32_t>(row), 0u), key);
+    const uint32_t rr[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = q + j;
+      if (i >= hi) break;
+      const float v = z[i];
+      if (v != v || v == INFINITY) nonfinite = true;
+      const float zz = v * inv_t;
+      if (!(zz > -INFINITY)) continue;  // a masked token (or NaN, flagged): never drawn, adds nothing
+      if (zz > p.m) {
+        p.l = (p.m == -INFINITY ? 0.f : p.l * __expf(p.m - zz)) + 1.f;
+        p.m = zz;
+      } else {
+        p.l += __expf(zz - p.m);
+      }
+      const float gv = zz - logf(-logf(unit_open(rr[j])));
+      if (gv > p.g) {  // (indices rise within a thread: ties keep the lower)
+        p.g = gv;
+        p.i = i;
+      }
+    }
+  }
+  // the block's partial: lanes, then warps in order
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    SamplePart b{__shfl_xor_sync(0xffffffffu, p.m, o), __shfl_xor_sync(0xffffffffu, p.l, o),
+                 __shfl_xor_sync(0xffffffffu, p.g, o), __shfl_xor_sync(0xffffffffu, p.i, o)};
+    part_add(p, b);
+  }
+  __shared__ SamplePart wp[kSampleThreads / 32];
+  __shared__ int s_last, s_bad;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  if (nonfinite) s_bad = 1;
+  if ((threadIdx.x & 31) == 0) wp[threadIdx.x >> 5] = p;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    SamplePart t = wp[0];
+    for (int w = 1; w < kSampleThreads / 32; ++w) part_add(t, wp[w]);
+    ws[(int64_t)row * S + s] = make_float4(t.m, t.l, t.g, __int_as_float(t.i));
+    if (s_bad) atomicOr(bad, 1);
+    __threadfence();
+    s_last = atomicAdd(&counters[row], 1) == S - 1;
+  }
+  __syncthreads();
+  if (!s_last || threadIdx.x >= 32) return;
+  // the last block's first warp: lane j takes partials j, j + 32 (S <= 64, both loads in flight), then a fixed
+  // shuffle tree (the same order at every launch)
+  __threadfence();
+  const int lane = threadIdx.x;
+  SamplePart t{-INFINITY, 0.f, -INFINITY, INT_MAX};
+  {
+    const float4 w0 = lane < S ? __ldcg(ws + (int64_t)row * S + lane) : make_float4(-INFINITY, 0.f, -INFINITY, 0.f);
+    const float4 w1 = lane + 32 < S ? __ldcg(ws + (int64_t)row * S + lane + 32)
+                                    : make_float4(-INFINITY, 0.f, -INFINITY, 0.f);
+    if (lane < S) part_add(t, SamplePart{w0.x, w0.y, w0.z, __float_as_int(w0.w)});
+    if (lane + 32 < S) part_add(t, SamplePart{w1.x, w1.y, w1.z, __float_as_int(w1.w)});
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    SamplePart b{__shfl_xor_sync(0xffffffffu, t.m, o), __shfl_xor_sync(0xffffffffu, t.l, o),
+                 __shfl_xor_sync(0xffffffffu, t.g, o), __shfl_xor_sync(0xffffffffu, t.i, o)};
+    part_add(t, b);
+  }
+  if (lane != 0) return;
+  counters[row] = 0;  // ready for the next launch on this stream
+  const bool live = !finished[row];
+  const bool ok = t.i != INT_MAX;  // (a row of -inf / NaN only: flagged through *bad when NaN)
+  const int64_t tok = live && ok ? static_cast<int64_t>(t.i) : pad;
+  const float lp = live && ok ? z[t.i] * inv_t - (t.m + logf(t.l)) : 0.f;
+  tok_out[row] = tok;
+  out[(int64_t)row * col_ld] = tok;
+  mask[(int64_t)row * col_ld] = live;
+  blp[(int64_t)row * col_ld] = lp;
+  tlp[(int64_t)row * col_ld] = lp;
+  if (live) {
+    bool hit = false;
+    for (int e = 0; e < n_eos; ++e) hit |= eos[e] == tok;
+    if (hit) finished[row] = true;
+  }
+}
+
 #ifndef QERL_NO_TORCH
 
 namespace {
@@ -780,6 +931,67 @@ bool lora_expand(const at::Tensor& hs, const at::Tensor& y, const at::Tensor& bs
   return true;
 }
 
+// one self-resetting ticket per row for sample_step_kernel, per (device, stream) (launches on one stream are
+// serialized, so they can share it)
+int* sample_counters(const at::Tensor& like) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  const int dev = like.get_device();
+  const auto key = std::make_pair(dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, at::zeros({kSampleMaxRows}, like.options().dtype(at::kInt))).first;
+  return it->second.data_ptr<int>();
+}
+
+// One sampling step (see sample_step_kernel): logits [rows, V] fp32 (unit column stride); finished [rows] bool;
+// eos [n] int64; tok [rows] int64 (the step's tokens, out); out / mask / blp / tlp: [rows, T] int64 / bool / fp32
+// / fp32 (contiguous, one shared shape), column `step` written; bad: one int32 (raised, never cleared). False
+// (nothing launched) where the kernel does not take the tensors.
+bool sample_step(const at::Tensor& logits, double temperature, int64_t seed, int64_t step, at::Tensor& finished,
+                 const at::Tensor& eos, int64_t pad, at::Tensor& tok, at::Tensor& out, at::Tensor& mask,
+                 at::Tensor& blp, at::Tensor& tlp, at::Tensor& bad) {
+  const int dev = logits.get_device();
+  if (!logits.is_cuda() || logits.scalar_type() != at::kFloat || logits.dim() != 2 || logits.stride(1) != 1 ||
+      !(temperature > 0))
+    return false;
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  if (rows < 1 || rows > kSampleMaxRows || V < 1 || V >= (int64_t(1) << 30)) return false;
+  auto on = [&](const at::Tensor& t, at::ScalarType st) {
+    return t.is_cuda() && t.get_device() == dev && t.scalar_type() == st && t.is_contiguous();
+  };
+  if (!on(finished, at::kBool) || finished.numel() != rows || !on(eos, at::kLong) || !on(tok, at::kLong) ||
+      tok.numel() != rows || !on(out, at::kLong) || !on(mask, at::kBool) || !on(blp, at::kFloat) ||
+      !on(tlp, at::kFloat) || !on(bad, at::kInt) || bad.numel() != 1 || out.dim() != 2 || out.size(0) != rows ||
+      mask.sizes() != out.sizes() || blp.sizes() != out.sizes() || tlp.sizes() != out.sizes() || step < 0 ||
+      step >= out.size(1) || eos.numel() > 1024)
+    return false;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  static int sm_count[64] = {0};  // (benign race: every writer stores the same value)
+  int sms = dev >= 0 && dev < 64 ? sm_count[dev] : 0;
+  if (sms == 0) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (dev >= 0 && dev < 64) sm_count[dev] = sms;
+  }
+  // about four blocks per SM, each slice at least 1,024 tokens, a multiple of 4 (one Philox block)
+  int64_t S = std::min<int64_t>({(4 * sms + rows - 1) / rows, (V + 1023) / 1024, (int64_t)kSampleMaxSplit});
+  S = std::max<int64_t>(S, 1);
+  int64_t chunk = ((V + S - 1) / S + 3) / 4 * 4;
+  S = (V + chunk - 1) / chunk;
+  at::Tensor ws = at::empty({rows * S * 4}, logits.options());
+  const uint64_t sd = static_cast<uint64_t>(seed);
+  const uint2 key = make_uint2(static_cast<uint32_t>(sd), static_cast<uint32_t>(sd >> 32));
+  C10_CUDA_CHECK(qerl_pdl::launch(
+      sample_step_kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(S)), dim3(kSampleThreads), 0,
+      c10::cuda::getCurrentCUDAStream().stream(), dev, logits.data_ptr<float>(), logits.stride(0), static_cast<int>(V),
+      static_cast<float>(1.0 / temperature), key, static_cast<uint32_t>(step), static_cast<int>(chunk),
+      reinterpret_cast<float4*>(ws.data_ptr<float>()), sample_counters(logits), finished.data_ptr<bool>(),
+      eos.data_ptr<int64_t>(), static_cast<int>(eos.numel()), pad, tok.data_ptr<int64_t>(),
+      out.data_ptr<int64_t>() + step, mask.data_ptr<bool>() + step, blp.data_ptr<float>() + step,
+      tlp.data_ptr<float>() + step, out.size(1), bad.data_ptr<int>()));
+  return true;
+}
+
 #endif  // QERL_NO_TORCH
 
 }  // namespace qerl_fused
@@ -800,6 +1012,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = y + bf16(x @ a^T) @ bs for decode rows (M <= 16); false when the shapes need the matmul path",
         py::arg("x"), py::arg("a"), py::arg("y"), py::arg("bs"), py::arg("out"),
         py::arg("segs") = std::vector<int64_t>());
+  m.def("sample_step", &qerl_fused::sample_step,
+        "one decode step's sampling at temperature T without truncation (Gumbel-max, Philox) with its bookkeeping; "
+        "false when the kernel does not take the tensors");
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; }, "programmatic dependent launch on/off");
 }
 #endif

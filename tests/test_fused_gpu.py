@@ -216,6 +216,94 @@ def test_lora_expand_after_fused_shrink():
         fused.lora_expand(y, hs[:, :4], bs)
 
 
+def _sample_buffers(rows: int, steps: int):
+    dev = "cuda"
+    return (torch.zeros(rows, dtype=torch.bool, device=dev),                       # finished
+            torch.full((rows, steps), -7, dtype=torch.long, device=dev),           # out (poisoned)
+            torch.ones(rows, steps, dtype=torch.bool, device=dev),                 # mask (poisoned)
+            torch.full((rows, steps), float("nan"), device=dev),                   # blp (poisoned)
+            torch.full((rows, steps), float("nan"), device=dev),                   # tlp (poisoned)
+            torch.zeros(1, dtype=torch.int32, device=dev))                         # bad
+
+
+def test_sample_step_draws_from_the_tempered_softmax():
+    """16,384 draws from one 10-token distribution at T = 0.7 (4,096 rows x 4 steps): frequencies within 0.015 of
+    softmax(z / T) (about 4 standard errors), each log-prob = log_softmax(z / T)[token] to 1e-5 in both columns,
+    mask set; the same (seed, step) draws the same tokens, another seed or step others."""
+    rows, steps, t = 4096, 4, 0.7
+    z = torch.randn(10, device="cuda") * 2
+    logits = z.expand(rows, 10).contiguous()
+    finished, out, mask, blp, tlp, bad = _sample_buffers(rows, steps)
+    eos = torch.empty(0, dtype=torch.long, device="cuda")
+    toks = [fused.sample_step(logits, t, 1234, s, finished, eos, 0, out, mask, blp, tlp, bad) for s in range(steps)]
+    assert all(x is not None for x in toks) and int(bad) == 0
+    assert torch.equal(torch.stack(toks, 1), out) and bool(mask.all())
+    p_ref = torch.softmax(z / t, -1)
+    freq = torch.bincount(out.flatten(), minlength=10).float() / out.numel()
+    assert float((freq - p_ref).abs().max()) < 0.015, (freq, p_ref)
+    lp_ref = torch.log_softmax(z / t, -1)[out]
+    assert float((blp - lp_ref).abs().max()) < 1e-5 and torch.equal(blp, tlp)
+    again = fused.sample_step(logits, t, 1234, 0, torch.zeros_like(finished), eos, 0, out.clone(), mask.clone(),
+                              blp.clone(), tlp.clone(), bad)
+    assert torch.equal(again, toks[0])
+    other_seed = fused.sample_step(logits, t, 99, 0, torch.zeros_like(finished), eos, 0, out.clone(), mask.clone(),
+                                   blp.clone(), tlp.clone(), bad)
+    assert not torch.equal(other_seed, toks[0]) and not torch.equal(toks[1], toks[0])
+
+
+@pytest.mark.parametrize("v", [152064, 1001, 3])
+def test_sample_step_vocabularies(v):
+    """A large vocabulary (many slices per row), one that is not a multiple of 4, a tiny one: a token 30 nats above
+    the rest is drawn every time with log-prob ~0 (to 1e-4 of torch's log_softmax); a token masked to -inf is never
+    drawn and adds nothing to the normalizer."""
+    rows = 8
+    logits = torch.randn(rows, v, device="cuda")
+    top = torch.randint(0, v, (rows,), device="cuda")
+    logits[torch.arange(rows), top] += 30
+    finished, out, mask, blp, tlp, bad = _sample_buffers(rows, 1)
+    eos = torch.tensor([v + 5], device="cuda")
+    tok = fused.sample_step(logits, 1.0, 7, 0, finished, eos, 0, out, mask, blp, tlp, bad)
+    assert torch.equal(tok, top) and int(bad) == 0
+    ref = torch.log_softmax(logits, -1)[torch.arange(rows), top]
+    assert float((blp[:, 0] - ref).abs().max()) < 1e-4
+    masked = logits.clone()
+    masked[torch.arange(rows), top] = float("-inf")
+    masked[torch.arange(rows), (top + 1) % v] += 30  # a new favourite next to it
+    tok2 = fused.sample_step(masked, 1.0, 7, 0, torch.zeros_like(finished), eos, 0, out, mask, blp, tlp, bad)
+    assert not bool((tok2 == top).any()) and int(bad) == 0
+    ref2 = torch.log_softmax(masked, -1).gather(1, tok2[:, None])[:, 0]
+    assert float((blp[:, 0] - ref2).abs().max()) < 1e-4
+
+
+def test_sample_step_bookkeeping():
+    """Finished rows: pad, mask 0, log-probs 0, and they stay finished; a live row that draws an eos token becomes
+    finished (with its token and log-prob recorded); a NaN logit raises the flag; what the kernel does not take
+    (fp16 logits, temperature 0, mismatched buffers) is declined with nothing written."""
+    rows, v = 6, 50
+    logits = torch.randn(rows, v, device="cuda")
+    logits[:, 7] += 40  # every live row draws token 7, an eos
+    finished, out, mask, blp, tlp, bad = _sample_buffers(rows, 3)
+    finished[1] = True
+    finished[4] = True
+    eos = torch.tensor([3, 7], device="cuda")
+    tok = fused.sample_step(logits, 1.0, 5, 1, finished, eos, 2, out, mask, blp, tlp, bad)
+    live = torch.tensor([True, False, True, True, False, True], device="cuda")
+    assert torch.equal(tok, torch.where(live, 7, 2)) and torch.equal(out[:, 1], tok)
+    assert torch.equal(mask[:, 1], live) and bool(finished.all())
+    assert bool((blp[~live, 1] == 0).all()) and bool((blp[live, 1].abs() < 1e-6).all())
+    assert bool((out[:, 0] == -7).all()) and bool((out[:, 2] == -7).all())  # only column 1 written
+    assert int(bad) == 0
+    logits[3, 11] = float("nan")
+    fused.sample_step(logits, 1.0, 5, 2, torch.zeros_like(finished), eos, 2, out, mask, blp, tlp, bad)
+    assert int(bad) == 1
+    before = out.clone()
+    assert fused.sample_step(logits.half(), 1.0, 5, 0, finished, eos, 2, out, mask, blp, tlp, bad) is None
+    assert fused.sample_step(logits, 0.0, 5, 0, finished, eos, 2, out, mask, blp, tlp, bad) is None
+    assert fused.sample_step(logits, 1.0, 5, 3, finished, eos, 2, out, mask, blp, tlp, bad) is None  # past T
+    assert fused.sample_step(logits[:5], 1.0, 5, 0, finished, eos, 2, out, mask, blp, tlp, bad) is None
+    assert torch.equal(out, before)
+
+
 PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
 
 

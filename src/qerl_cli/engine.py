@@ -473,6 +473,10 @@ class Engine:
         # launches it on its own
         self.fused_shrink = os.environ.get("QERL_ENGINE_FUSED_SHRINK", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
+        # decode steps on CUDA at temperature > 0 without top-k / top-p draw their tokens in one fused kernel
+        # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
+        # torch ops; QERL_ENGINE_FUSED_SAMPLER=0 (or False) keeps torch's multinomial
+        self.fused_sampler = os.environ.get("QERL_ENGINE_FUSED_SAMPLER", "1") != "0"
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -767,6 +771,12 @@ class Engine:
 
         return replay
 
+    def _fast_sampling(self, cfg: SamplingConfig, vocab: int) -> bool:
+        """Whether decode steps draw in the fused sampling kernel: CUDA with the fused kernels, temperature > 0,
+        nothing truncated (the kernel draws from the whole tempered softmax, as ``sample`` does then)."""
+        return (self.fused_sampler and self._kernels and self.device.type == "cuda" and cfg.temperature > 0
+                and not (cfg.top_k and cfg.top_k < vocab) and cfg.top_p >= 1)
+
     @staticmethod
     def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -874,16 +884,21 @@ class Engine:
         tlp = torch.zeros(r, t_new, dtype=torch.float32, device=dev)
         finished = torch.zeros(r, dtype=torch.bool, device=dev)
         at = torch.zeros((), dtype=torch.long, device=dev)
+        fast = self._fast_sampling(sampling, logits.shape[-1])
+        bad = torch.zeros(1, dtype=torch.int32, device=dev) if fast else None
         steps = 0
         for step in range(t_new):
-            tok, lb, lt = self.sample(logits, sampling, gen)
-            live = ~finished
-            tok = torch.where(live, tok, torch.full_like(tok, pad_id))
-            out[:, step] = tok
-            mask[:, step] = live
-            blp[:, step] = torch.where(live, lb, torch.zeros_like(lb))
-            tlp[:, step] = torch.where(live, lt, torch.zeros_like(lt))
-            finished = finished | (live & torch.isin(tok, eos))
+            tok = (_fk.sample_step(logits, sampling.temperature, seed, step, finished, eos, pad_id, out, mask, blp,
+                                   tlp, bad) if fast else None)
+            if tok is None:  # torch's ops (CPU, truncation, or shapes the kernel declines)
+                tok, lb, lt = self.sample(logits, sampling, gen)
+                live = ~finished
+                tok = torch.where(live, tok, torch.full_like(tok, pad_id))
+                out[:, step] = tok
+                mask[:, step] = live
+                blp[:, step] = torch.where(live, lb, torch.zeros_like(lb))
+                tlp[:, step] = torch.where(live, lt, torch.zeros_like(lt))
+                finished = finished | (live & torch.isin(tok, eos))
             steps = step + 1
             # the all-finished test syncs with the GPU: only every 8 steps, so the host queues ahead in between
             # (steps past the last live token are trimmed below; they sample pad only)
@@ -894,6 +909,9 @@ class Engine:
             next_pos = next_pos + 1
         sync()
         t2 = time.perf_counter()
+        if bad is not None and int(bad):
+            raise QerlError("the model's logits were not finite (NaN or inf) at a decode step; check the model "
+                            "weights and the adapter (a diverged update?).")
         steps = int(mask[:, :steps].any(0).nonzero()[-1]) + 1  # every row is live at step 0
         ended = (mask & torch.isin(out, eos)).any(1).cpu()
         gen_tokens = int(mask.sum())

@@ -14,7 +14,10 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
 * ``add_norm_shrink(h, d, w, eps, a)`` and ``silu_mul_shrink(g, u, a)``: ``add_norm`` / ``silu_mul`` that also
   return the LoRA shrink ``hs = bf16(x @ a^T)`` (fp32 holding bf16 values) of the output ``x`` they make, for the
   projections that read it: no separate shrink launch; ``lora_expand(y, hs, bs)`` -> ``y + hs @ bs`` is then the
-  rest of ``lora_add`` (decode steps of at most 16 rows).
+  rest of ``lora_add`` (decode steps of at most 16 rows);
+* ``sample_step(...)``: one decode step's draw at temperature T without truncation (the Gumbel-max trick on
+  Philox4x32-10 noise keyed by seed, step and row: an exact draw from the tempered softmax) with its log-prob and
+  the step's bookkeeping (finished rows, eos, pad, mask, the log-prob columns), in one kernel.
 
 Each rounds where the torch chain it replaces rounds (``silu_mul`` and ``rope_kv`` bit-exact; ``add_norm``
 sums the squares in another order, at most one bf16 unit apart; ``lora_add`` accumulates in fp32 in its own fixed
@@ -34,7 +37,7 @@ import torch
 from . import kernel
 
 __all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "lora_add", "add_norm_shrink",
-           "silu_mul_shrink", "lora_expand", "LORA_MAX_ROWS"]
+           "silu_mul_shrink", "lora_expand", "sample_step", "LORA_MAX_ROWS"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
 LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
@@ -157,6 +160,23 @@ def lora_expand(y: torch.Tensor, hs: torch.Tensor, bs: torch.Tensor, segs: tuple
         raise ValueError(f"lora_expand: shapes disagree: hs {tuple(hs.shape)}, y {tuple(y.shape)}, bs {tuple(bs.shape)}")
     out = torch.empty_like(y)
     return out if _load().lora_expand(hs, y, bs, out, list(segs)) else None
+
+
+def sample_step(logits: torch.Tensor, temperature: float, seed: int, step: int, finished: torch.Tensor,
+                eos: torch.Tensor, pad: int, out: torch.Tensor, mask: torch.Tensor, blp: torch.Tensor,
+                tlp: torch.Tensor, bad: torch.Tensor) -> torch.Tensor | None:
+    """Decode step ``step``'s tokens ``[rows]`` (int64), drawn from ``softmax(logits / temperature)`` (fp32
+    ``logits [rows, V]``, nothing truncated) by the Gumbel-max trick on Philox4x32-10 noise with key ``seed`` and
+    counter (token // 4, step, row): reproducible from (seed, step, row) alone. Writes column ``step`` of ``out``
+    (the token), ``mask`` (live), ``blp`` and ``tlp`` (both the tempered log-prob: no truncation); a finished row
+    gets ``pad``, mask 0 and log-prob 0, a live row that draws a token of ``eos`` becomes finished; a NaN or +inf
+    logit raises ``bad`` (one int32) and is never drawn. None (nothing done) where the kernel does not take the
+    tensors (then the caller samples with torch)."""
+    tok = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    if not _load().sample_step(logits, float(temperature), int(seed) & (2**63 - 1), int(step), finished, eos, int(pad),
+                               tok, out, mask, blp, tlp, bad):
+        return None
+    return tok
 
 
 def _add_norm_torch(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float
