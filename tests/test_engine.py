@@ -623,3 +623,22 @@ def test_qwen3_through_quantize_pack_verify_and_the_packed_engine(tmp_path, smol
     with torch.no_grad():
         tf = eng.sequence_logprobs(b.prompt_ids, b.completion_ids, b.completion_mask, 1.0, PAD, group=2)
     torch.testing.assert_close(tf, b.behaviour_logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_sampler_named_per_config():
+    """What a rollout records as its sampler: greedy at T = 0; on CPU torch's multinomial at any temperature; the
+    fused kernel only on CUDA and only without truncation (its condition, checked without a GPU)."""
+
+    class Fake:  # only the attributes the choice reads
+        fused_sampler, _kernels, device = True, True, torch.device("cuda")
+        _fast_sampling = Engine._fast_sampling
+
+    assert Engine.sampler(Fake(), SamplingConfig(temperature=0, max_new_tokens=1), 100) == "greedy (argmax)"
+    assert Engine.sampler(Fake(), SamplingConfig(temperature=1.0, max_new_tokens=1), 100).startswith("fused Gumbel")
+    for cfg in (SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=1),
+                SamplingConfig(temperature=1.0, top_k=5, max_new_tokens=1)):
+        assert Engine.sampler(Fake(), cfg, 100).startswith("torch.multinomial")
+    assert Engine.sampler(Fake(), SamplingConfig(temperature=1.0, top_k=100, max_new_tokens=1), 100).startswith("fused")
+    cpu = Fake()
+    cpu.device = torch.device("cpu")
+    assert Engine.sampler(cpu, SamplingConfig(temperature=1.0, max_new_tokens=1), 100).startswith("torch.multinomial")

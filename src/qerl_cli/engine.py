@@ -771,6 +771,15 @@ class Engine:
 
         return replay
 
+    def sampler(self, cfg: SamplingConfig, vocab: int) -> str:
+        """How decode steps draw under ``cfg`` (recorded with a rollout: the same seed gives other tokens under
+        the other sampler)."""
+        if cfg.temperature == 0:
+            return "greedy (argmax)"
+        if self._fast_sampling(cfg, vocab):
+            return "fused Gumbel-max on Philox4x32-10 (key: seed; counter: token // 4, step, row)"
+        return "torch.multinomial (torch.Generator seeded per call)"
+
     def _fast_sampling(self, cfg: SamplingConfig, vocab: int) -> bool:
         """Whether decode steps draw in the fused sampling kernel: CUDA with the fused kernels, temperature > 0,
         nothing truncated (the kernel draws from the whole tempered softmax, as ``sample`` does then)."""

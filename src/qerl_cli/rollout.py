@@ -226,7 +226,9 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         summary = _summary(rows, batches)
         meta = {"policy": info | {"engine": cfg.engine, "device": device, "dtype": str(eng.dtype),
                                   "adapter_digest": lora.digest if lora else None,
-                                  "cuda_graph": eng.use_graph and cfg.engine == "ours"},
+                                  "cuda_graph": eng.use_graph and cfg.engine == "ours",
+                                  "sampler": (eng.sampler(cfg.sampling(), eng.lm_head.weight.shape[0])
+                                              if cfg.engine == "ours" else cfg.engine)},
                 "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION, "verifier": scoring,
                 "noise": noise_states, "summary": summary}
         (tmp / names.ROLLOUT_META).write_text(json.dumps(meta, indent=1) + "\n")
