@@ -106,7 +106,7 @@ def _rehash(d: Path) -> None:
     from qerl_cli import artifact
 
     m = json.loads((d / names.MANIFEST).read_text())
-    m["files"] = artifact._list_files(d)
+    m["files"] = artifact.list_files(d)
     m["digest"] = artifact._digest(m["key"], m["files"])
     (d / names.MANIFEST).write_text(json.dumps(m))
 
