@@ -179,3 +179,20 @@ def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
     with pytest.raises(QerlError, match=r"top_p must be in \(0, 1\]; change that option or --config value\.$"):
         config.load("rollout", rollout.RolloutConfig, None, {"top_p": 1.5, "progress": False, "engine": "ours",
                                                              "device": "cpu"})
+
+
+def test_nan_logits_mid_rollout_are_one_sentence_and_leave_the_old_output(tiny_pipeline, tmp_path):
+    """An adapter with huge (finite, so accepted) factors overflows the activations to NaN logits: rollout crashed in
+    torch.multinomial with a traceback. Now: one sentence, exit 1, the previous output untouched, no temporary left."""
+    from conftest import random_adapter
+
+    out = tmp_path / "ro"
+    args = ("rollout", str(tiny_pipeline["packed"]), "--prompts", "arith:2", "-G", "2", "--max-new-tokens", "4",
+            "--no-progress", "-o", str(out))
+    assert run_cli(*args).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    huge = random_adapter(tmp_path / "diverged", scale=1e20)
+    _clean_error(run_cli(*args, "--adapter", str(huge), "--force"),
+                 "the model's logits are not finite (NaN or Inf) at decode step 1 of 4")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diverged", "ro"]

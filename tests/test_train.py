@@ -203,6 +203,48 @@ def test_resume_of_a_damaged_checkpoint_is_one_sentence_on_the_cli(tiny_pipeline
     assert [m["step"] for m in _metrics(part)] == [1]
 
 
+def test_nan_logits_in_a_rollout_stop_training_with_one_sentence(tiny_pipeline, tmp_path):
+    """lr 1e30 makes the adapter huge but finite after step 1 (so the trainer's own check passes), and the
+    rollout of step 2 overflows to NaN logits: torch.multinomial raised a RuntimeError (a traceback from `qerl
+    train`); now it is the engine's sentence, exit 1, and the run keeps what it had (unfinished, step 1 logged)."""
+    script = tmp_path / "nan_train.py"
+    conf = tmp_path / "train.toml"
+    conf.write_text("dynamic_sampling = false\nlora_rank = 4\nlora_alpha = 8.0\nbatch_prompts = 1\n")
+    run = tmp_path / "run"
+    script.write_text(REWARD_PATCH + textwrap.dedent(f'''
+        import sys
+        from qerl_cli import rollout
+        from qerl_cli.cli import main
+        rollout.score_batch = _fake_score
+        sys.argv = ["qerl", "train", {str(tiny_pipeline["packed"])!r}, "-o", {str(run)!r}, "--config", {str(conf)!r},
+                    "--task", "arith:16", "--steps", "4", "--prompts-per-step", "2", "-G", "4", "--max-new-tokens", "6",
+                    "--lr", "1e30", "--save-every", "2", "--sigma-start", "0", "--sigma-end", "0", "--no-progress"]
+        main()
+    '''))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: the model's logits are not finite (NaN or Inf) at decode step 1 of 6")
+    assert lines[-1].endswith(".") and [ln for ln in lines if not ln.startswith("step ")] == lines[-1:], lines
+    assert [m["step"] for m in _metrics(run)] == [1] and not (run / names.MANIFEST).exists()
+    assert (run / names.RUN_CONFIG).is_file()
+
+
+def test_nan_gradients_still_stop_training_as_diverged(tiny_pipeline, tmp_path, reward, monkeypatch):
+    """The trainer's own check: NaN training log-probs (so NaN gradients and a NaN adapter after the update) stop
+    the run at that step, before the next rollout samples from it."""
+    tf = Engine.sequence_logprobs
+
+    def nan_logprobs(self, *a, **k):
+        return tf(self, *a, **k) * float("nan")
+
+    monkeypatch.setattr(Engine, "sequence_logprobs", nan_logprobs)
+    with pytest.raises(QerlError, match=r"training diverged at step 1: the adapter's weights are no longer finite"):
+        train.train(tiny_pipeline["packed"], tmp_path / "run", **TINY, overrides=OVR)
+    assert not list((tmp_path / "run").glob("step-*"))
+
+
 def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):
     ovr = OVR | {"eval_every": 2, "eval_problems": 6}
     run = tmp_path / "run"
