@@ -62,21 +62,32 @@ def test_wrapping_a_model_in_lora_prints_no_warning(tiny_pipeline):
         lora.wrap(model, 4, 8.0)
 
 
-@pytest.mark.parametrize("args,match", [
-    (("report",), "Missing argument 'artifacts'"),
-    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "-G", "abc"), "'--group'"),
-    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--bogus"), "--bogus"),
-    (("rollout", "x", "-o", "y"), "'--prompts'"),
-    (("no-such-stage",), "no-such-stage"),
+@pytest.mark.parametrize("args,match,help_of", [
+    (("report",), "Missing argument 'artifacts'", "qerl report"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "-G", "abc"), "'--group'", "qerl rollout"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--bogus"), "--bogus", "qerl rollout"),
+    (("rollout", "x", "-o", "y"), "'--prompts'", "qerl rollout"),
+    (("no-such-stage",), "no-such-stage", "qerl"),
+    (("--bogus",), "--bogus", "qerl"),
+    # click raises these (an option without its value, a flag given one) without the subcommand's context: the
+    # hint named `qerl --help`
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--temperature"), "'--temperature' requires an argument",
+     "qerl rollout"),
+    (("evaluate", "x", "-o", "y", "--data", "arith:2", "-k"), "'-k' requires an argument", "qerl evaluate"),
+    (("pack", "q", "-o", "p", "--force=yes"), "'--force' does not take a value", "qerl pack"),
+    *[((stage, "x", "-o"), "'-o' requires an argument", f"qerl {stage}")
+      for stage in ("calibrate", "quantize", "pack", "verify", "rollout", "train", "evaluate", "report")],
 ])
-def test_usage_errors_are_one_sentence(args, match):
-    """A bad, missing or unknown option printed click's usage lines and an error box (5+ lines on stderr)."""
+def test_usage_errors_are_one_sentence(args, match, help_of):
+    """A bad, missing or unknown option printed click's usage lines and an error box (5+ lines on stderr); the
+    one line names the help of the subcommand that was called."""
     res = run_cli(*args)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert "Traceback" not in res.stderr + res.stdout and not res.stdout.strip()
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("--help`."), res.stderr
     assert match in lines[0], lines[0]
+    assert lines[0].endswith(f"; see `{help_of} --help`."), lines[0]
 
 
 def test_help_version_and_no_arguments_still_work():
