@@ -62,21 +62,32 @@ def test_wrapping_a_model_in_lora_prints_no_warning(tiny_pipeline):
         lora.wrap(model, 4, 8.0)
 
 
-@pytest.mark.parametrize("args,match", [
-    (("report",), "Missing argument 'artifacts'"),
-    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "-G", "abc"), "'--group'"),
-    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--bogus"), "--bogus"),
-    (("rollout", "x", "-o", "y"), "'--prompts'"),
-    (("no-such-stage",), "no-such-stage"),
+@pytest.mark.parametrize("args,match,help_of", [
+    (("report",), "Missing argument 'artifacts'", "qerl report"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "-G", "abc"), "'--group'", "qerl rollout"),
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--bogus"), "--bogus", "qerl rollout"),
+    (("rollout", "x", "-o", "y"), "'--prompts'", "qerl rollout"),
+    (("no-such-stage",), "no-such-stage", "qerl"),
+    (("--bogus",), "--bogus", "qerl"),
+    # click raises these (an option without its value, a flag given one) without the subcommand's context: the
+    # hint named `qerl --help`
+    (("rollout", "x", "-o", "y", "--prompts", "arith:1", "--temperature"), "'--temperature' requires an argument",
+     "qerl rollout"),
+    (("evaluate", "x", "-o", "y", "--data", "arith:2", "-k"), "'-k' requires an argument", "qerl evaluate"),
+    (("pack", "q", "-o", "p", "--force=yes"), "'--force' does not take a value", "qerl pack"),
+    *[((stage, "x", "-o"), "'-o' requires an argument", f"qerl {stage}")
+      for stage in ("calibrate", "quantize", "pack", "verify", "rollout", "train", "evaluate", "report")],
 ])
-def test_usage_errors_are_one_sentence(args, match):
-    """A bad, missing or unknown option printed click's usage lines and an error box (5+ lines on stderr)."""
+def test_usage_errors_are_one_sentence(args, match, help_of):
+    """A bad, missing or unknown option printed click's usage lines and an error box (5+ lines on stderr); the
+    one line names the help of the subcommand that was called."""
     res = run_cli(*args)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert "Traceback" not in res.stderr + res.stdout and not res.stdout.strip()
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("--help`."), res.stderr
     assert match in lines[0], lines[0]
+    assert lines[0].endswith(f"; see `{help_of} --help`."), lines[0]
 
 
 def test_help_version_and_no_arguments_still_work():
@@ -106,7 +117,7 @@ def _rehash(d: Path) -> None:
     from qerl_cli import artifact
 
     m = json.loads((d / names.MANIFEST).read_text())
-    m["files"] = artifact._list_files(d)
+    m["files"] = artifact.list_files(d)
     m["digest"] = artifact._digest(m["key"], m["files"])
     (d / names.MANIFEST).write_text(json.dumps(m))
 
@@ -179,3 +190,20 @@ def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
     with pytest.raises(QerlError, match=r"top_p must be in \(0, 1\]; change that option or --config value\.$"):
         config.load("rollout", rollout.RolloutConfig, None, {"top_p": 1.5, "progress": False, "engine": "ours",
                                                              "device": "cpu"})
+
+
+def test_nan_logits_mid_rollout_are_one_sentence_and_leave_the_old_output(tiny_pipeline, tmp_path):
+    """An adapter with huge (finite, so accepted) factors overflows the activations to NaN logits: rollout crashed in
+    torch.multinomial with a traceback. Now: one sentence, exit 1, the previous output untouched, no temporary left."""
+    from conftest import random_adapter
+
+    out = tmp_path / "ro"
+    args = ("rollout", str(tiny_pipeline["packed"]), "--prompts", "arith:2", "-G", "2", "--max-new-tokens", "4",
+            "--no-progress", "-o", str(out))
+    assert run_cli(*args).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    huge = random_adapter(tmp_path / "diverged", scale=1e20)
+    _clean_error(run_cli(*args, "--adapter", str(huge), "--force"),
+                 "the model's logits are not finite (NaN or Inf) at decode step 1 of 4")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diverged", "ro"]

@@ -105,6 +105,57 @@ def test_sampling_rules():
     assert (freq - probs).abs().max() < 0.03
 
 
+def test_finite_rows_flags_and_neutralizes_nan_and_inf_rows():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, 2.0, 3.0], [nan, 0.0, 1.0], [inf, 0.0, 1.0], [-inf, 0.0, 1.0], [3e38, 3e38, 0.0]])
+    out, flag = Engine.finite_rows(logits)
+    assert bool(flag) and torch.isfinite(out).all()
+    assert torch.equal(out[0], logits[0]) and (out[1:] == 0).all()  # (3e38: past fp32 once summed or tempered)
+    _, flag = Engine.finite_rows(logits, torch.tensor([True, False, False, False, False]))
+    assert not bool(flag)  # the rows with NaN/Inf do not count (finished rows)
+    g = torch.Generator().manual_seed(0)
+    Engine.sample(out, SamplingConfig(temperature=0.7, top_p=0.9, top_k=2), g)  # multinomial accepts them
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9,
+                                                                                             top_k=5)])
+def test_nan_logits_are_a_clear_error_not_a_multinomial_crash(model, sampling):
+    """A NaN in the model (here the final norm) made torch.multinomial raise a RuntimeError (on CUDA: a device-side
+    assert that kills the process); greedy decoding returned argmax-of-NaN tokens as if nothing were wrong."""
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.norm.weight[5] = float("nan")
+    with pytest.raises(QerlError, match=r"logits are not finite \(NaN or Inf\) at decode step 1 of 6.*adapter"):
+        Engine(broken).generate(PROMPTS, 2, SamplingConfig(max_new_tokens=6, **sampling), 0, {EOS}, PAD)
+
+
+def test_nan_logits_mid_rollout_stop_at_the_next_sync_point(model, monkeypatch):
+    """Logits of one row turn NaN at decode step 5: the loop (which reads the device only every 8 steps) stops at
+    step 8 instead of decoding all 40, and raises instead of returning the batch."""
+    calls = []
+    make = Engine._decoder
+
+    def decoder(self, *a, **k):
+        step = make(self, *a, **k)
+
+        def poisoned(tok, pos, at):
+            calls.append(int(at))
+            logits = step(tok, pos, at)
+            if len(calls) == 4:  # the logits of the 5th generated token
+                logits = logits.clone()
+                logits[1, 7] = float("nan")
+            return logits
+
+        return poisoned
+
+    monkeypatch.setattr(Engine, "_decoder", decoder)
+    with pytest.raises(QerlError, match="at decode step 5 of 40"):
+        Engine(model).generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=40), 0, set(), PAD)
+    assert len(calls) == 7  # decode steps 2..8; the check at step 8 ended the loop
+    monkeypatch.setattr(Engine, "_decoder", make)
+    assert Engine(model).generate(PROMPTS, 2, SamplingConfig(max_new_tokens=10), 0, set(), PAD).rows == 6
+
+
 def test_noise_zero_is_bit_identical_and_seed_reproduces(model):
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=12)
     a = Engine(model).generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)

@@ -276,3 +276,23 @@ def test_nonfinite_logits_raise_on_gpu(gpu_model):
         m.lm_head.weight[123] = float("nan")
     with pytest.raises(QerlError, match="not finite"):
         Engine(m, "cuda").generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_nan_logits_raise_without_a_device_side_assert(gpu_model, graph):
+    """NaN logits (here from the final norm) sent torch.multinomial into a device-side assert on CUDA, which kills
+    the CUDA context; now the engine raises its sentence and the device keeps working."""
+    import copy
+
+    from qerl_cli.errors import QerlError
+
+    broken = copy.deepcopy(gpu_model)
+    with torch.no_grad():
+        broken.model.norm.weight[3] = float("nan")
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=12)
+    with pytest.raises(QerlError, match="logits are not finite .* at decode step 1 of 12"):
+        Engine(broken, "cuda", cuda_graph=graph).generate(PROMPTS, 2, cfg, 0, set(), 0)
+    del broken
+    b = Engine(gpu_model, "cuda", cuda_graph=graph).generate(PROMPTS, 2, cfg, 0, set(), 0)
+    torch.cuda.synchronize()
+    assert b.rows == 6 and b.completion_mask.any()

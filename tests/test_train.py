@@ -94,7 +94,7 @@ def test_training_steps_change_loss_and_adapter(tiny_pipeline, tmp_path, reward)
     art = train.train(tiny_pipeline["packed"], run, **TINY, overrides=OVR)
     assert art.kind == names.KIND_RUN
     step_files = {names.ADAPTER_CONFIG, names.ADAPTER_WEIGHTS, names.OPTIMIZER_STATE, names.RNG_STATE,
-                  names.TRAINER_STATE}
+                  names.TRAINER_STATE, names.STEP_HASHES}
     assert sorted(f["path"] for f in art.manifest["files"]) == sorted(
         [names.RUN_CONFIG, names.RUN_METRICS] + [f"step-0000000{s}/{f}" for s in (2, 4) for f in step_files])
     assert sorted(p.name for p in run.iterdir()) == sorted([names.MANIFEST, names.RUN_CONFIG, names.RUN_METRICS,
@@ -137,6 +137,112 @@ def test_resume_continues_exactly(tiny_pipeline, tmp_path, reward):
     assert all(torch.equal(a[k], b[k]) for k in a)
     oa, ob = (load_file(str(d / "step-00000004" / names.OPTIMIZER_STATE)) for d in (full, part))
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
+
+
+def _flip_last_byte(f) -> None:
+    """Change one byte of a safetensors file's tensor data (its end): the file still parses, a value differs."""
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0x01
+    f.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda d: _flip_last_byte(d / names.ADAPTER_WEIGHTS),
+     f"is damaged: file '{names.ADAPTER_WEIGHTS}' does not match its sha256"),
+    (lambda d: _flip_last_byte(d / names.OPTIMIZER_STATE),
+     f"is damaged: file '{names.OPTIMIZER_STATE}' does not match its sha256"),
+    (lambda d: (d / names.TRAINER_STATE).write_text((d / names.TRAINER_STATE).read_text().replace('"step": 2', '"step": 3')),
+     f"is damaged: file '{names.TRAINER_STATE}' does not match its sha256"),
+    (lambda d: (d / names.RNG_STATE).write_bytes((d / names.RNG_STATE).read_bytes()[:-100]),
+     f"is damaged: file '{names.RNG_STATE}' has"),
+    (lambda d: (d / names.STEP_HASHES).unlink(), f"is incomplete: it lacks {names.STEP_HASHES}"),
+], ids=["adapter-byte", "optimizer-byte", "state-edit", "rng-truncated", "no-hashes"])
+def test_resume_refuses_a_damaged_or_unhashed_last_checkpoint(tiny_pipeline, tmp_path, reward, damage, match):
+    """A checkpoint altered in a way that still loads (a flipped byte in a tensor, an edited state) or one without
+    its hash file (cut short, or from a qerl that did not hash checkpoints) was resumed from silently."""
+    kw = TINY | {"save_every": 1}
+    part = tmp_path / "part"
+    assert train.train(tiny_pipeline["packed"], part, stop_after=2, **kw, overrides=OVR) is None
+    last = part / "step-00000002"
+    hashes = json.loads((last / names.STEP_HASHES).read_text())["files"]
+    assert sorted(e["path"] for e in hashes) == sorted(
+        p.name for p in last.iterdir() if p.name != names.STEP_HASHES)  # every other file of the step dir
+    damage(last)
+    before = {p.relative_to(part): p.read_bytes() for p in part.rglob("*") if p.is_file()}
+    with pytest.raises(QerlError, match=match) as e:
+        train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
+    msg = str(e.value)
+    assert str(last) in msg and "delete it to resume from the checkpoint before it" in msg and "--force" in msg
+    assert msg.endswith(".") and "\n" not in msg
+    # nothing was touched: the damaged checkpoint, the one before it and the metrics are as they were
+    assert {p.relative_to(part): p.read_bytes() for p in part.rglob("*") if p.is_file()} == before
+    # the advice works: without the damaged checkpoint the run resumes from the one before it
+    import shutil
+
+    shutil.rmtree(last)
+    art = train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
+    assert art is not None and [m["step"] for m in _metrics(part)] == [1, 2, 3, 4]
+
+
+def test_resume_of_a_damaged_checkpoint_is_one_sentence_on_the_cli(tiny_pipeline, tmp_path, reward):
+    conf = tmp_path / "train.toml"
+    conf.write_text("dynamic_sampling = false\nlora_rank = 4\nlora_alpha = 8.0\nbatch_prompts = 1\n")
+    kw = TINY | {"save_every": 1}
+    part = tmp_path / "part"
+    assert train.train(tiny_pipeline["packed"], part, stop_after=1, config_file=conf, **kw) is None
+    _flip_last_byte(part / "step-00000001" / names.OPTIMIZER_STATE)
+    r = run_cli("train", str(tiny_pipeline["packed"]), "-o", str(part), "--resume", "--config", str(conf),
+                "--task", kw["task"], "--steps", str(kw["steps"]), "--prompts-per-step", str(kw["prompts_per_step"]),
+                "-G", str(kw["group"]), "--max-new-tokens", str(kw["max_new_tokens"]), "--lr", str(kw["lr"]),
+                "--save-every", "1", "--sigma-stages", str(kw["sigma_stages"]), "--sigma-start",
+                str(kw["sigma_start"]), "--sigma-end", str(kw["sigma_end"]), "--no-progress")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: the checkpoint ") and lines[0].endswith("--force."), lines
+    assert f"'{names.OPTIMIZER_STATE}' does not match its sha256" in lines[0]
+    assert [m["step"] for m in _metrics(part)] == [1]
+
+
+def test_nan_logits_in_a_rollout_stop_training_with_one_sentence(tiny_pipeline, tmp_path):
+    """lr 1e30 makes the adapter huge but finite after step 1 (so the trainer's own check passes), and the
+    rollout of step 2 overflows to NaN logits: torch.multinomial raised a RuntimeError (a traceback from `qerl
+    train`); now it is the engine's sentence, exit 1, and the run keeps what it had (unfinished, step 1 logged)."""
+    script = tmp_path / "nan_train.py"
+    conf = tmp_path / "train.toml"
+    conf.write_text("dynamic_sampling = false\nlora_rank = 4\nlora_alpha = 8.0\nbatch_prompts = 1\n")
+    run = tmp_path / "run"
+    script.write_text(REWARD_PATCH + textwrap.dedent(f'''
+        import sys
+        from qerl_cli import rollout
+        from qerl_cli.cli import main
+        rollout.score_batch = _fake_score
+        sys.argv = ["qerl", "train", {str(tiny_pipeline["packed"])!r}, "-o", {str(run)!r}, "--config", {str(conf)!r},
+                    "--task", "arith:16", "--steps", "4", "--prompts-per-step", "2", "-G", "4", "--max-new-tokens", "6",
+                    "--lr", "1e30", "--save-every", "2", "--sigma-start", "0", "--sigma-end", "0", "--no-progress"]
+        main()
+    '''))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: the model's logits are not finite (NaN or Inf) at decode step 1 of 6")
+    assert lines[-1].endswith(".") and [ln for ln in lines if not ln.startswith("step ")] == lines[-1:], lines
+    assert [m["step"] for m in _metrics(run)] == [1] and not (run / names.MANIFEST).exists()
+    assert (run / names.RUN_CONFIG).is_file()
+
+
+def test_nan_gradients_still_stop_training_as_diverged(tiny_pipeline, tmp_path, reward, monkeypatch):
+    """The trainer's own check: NaN training log-probs (so NaN gradients and a NaN adapter after the update) stop
+    the run at that step, before the next rollout samples from it."""
+    tf = Engine.sequence_logprobs
+
+    def nan_logprobs(self, *a, **k):
+        return tf(self, *a, **k) * float("nan")
+
+    monkeypatch.setattr(Engine, "sequence_logprobs", nan_logprobs)
+    with pytest.raises(QerlError, match=r"training diverged at step 1: the adapter's weights are no longer finite"):
+        train.train(tiny_pipeline["packed"], tmp_path / "run", **TINY, overrides=OVR)
+    assert not list((tmp_path / "run").glob("step-*"))
 
 
 def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):

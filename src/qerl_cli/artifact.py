@@ -181,19 +181,26 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict) -> str | None:
-    """None if every listed file exists with its size and sha256 (and no file is missing), else why not."""
-    listed = set()
-    for entry in manifest[names.K_FILES]:
+def check_files(path: Path, files: list[dict], listing: str = "the manifest") -> str | None:
+    """None if every file entry (path, bytes, sha256; as ``list_files`` gives them) names an existing file of
+    ``path`` with that size and sha256, else why not (``listing``: what holds the entries, for the message)."""
+    for entry in files:
         rel = entry.get(names.K_PATH, "")
         f = _safe_relpath(rel, path)
-        listed.add(rel)
         if not f.is_file():
             return f"file '{rel}' is missing"
         if f.stat().st_size != entry.get(names.K_BYTES):
-            return f"file '{rel}' has {f.stat().st_size} bytes, the manifest says {entry.get(names.K_BYTES)}"
+            return f"file '{rel}' has {f.stat().st_size} bytes, {listing} says {entry.get(names.K_BYTES)}"
         if sha256_file(f) != entry.get(names.K_SHA256):
             return f"file '{rel}' does not match its sha256"
+    return None
+
+
+def verify_files(path: Path, manifest: dict) -> str | None:
+    """None if every listed file exists with its size and sha256 (and no file is missing), else why not."""
+    problem = check_files(path, manifest[names.K_FILES])
+    if problem is not None:
+        return problem
     if _digest(manifest[names.K_KEY], manifest[names.K_FILES]) != manifest[names.K_DIGEST]:
         return "its digest does not match its key and files"
     return None
@@ -231,12 +238,14 @@ def _digest(key: str, files: list[dict]) -> str:
     return tagged(h.hexdigest())
 
 
-def _list_files(root: Path) -> list[dict]:
+def list_files(root: Path, skip: str = names.MANIFEST) -> list[dict]:
+    """Every plain file under ``root`` but those named ``skip`` (the manifest that lists them), as entries
+    (path, sha256, bytes) of a manifest's ``files``."""
     files = []
     for p in sorted(root.rglob("*")):
         if p.is_symlink():
             raise QerlError(f"stage output {p.name} is a symbolic link; artifacts hold plain files only.")
-        if p.is_file() and p.name != names.MANIFEST:
+        if p.is_file() and p.name != skip:
             rel = p.relative_to(root).as_posix()
             files.append({names.K_PATH: rel, names.K_SHA256: sha256_file(p), names.K_BYTES: p.stat().st_size})
     return files
@@ -363,7 +372,7 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
         t0 = time.perf_counter()
         extra = body(tmp) or {}
         wall = time.perf_counter() - t0
-        files = _list_files(tmp)
+        files = list_files(tmp)
         metrics = {
             "wall_s": round(wall, 4),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -384,7 +393,7 @@ def write_manifest(root: Path, kind: str, config: dict, inputs: list[Input], key
     atomically (temporary file + rename). ``run_stage`` calls it on its temporary directory; a stage that
     writes its directory incrementally (``train``) calls it last, on the directory itself."""
     if files is None:
-        files = _list_files(root)
+        files = list_files(root)
     manifest = {
         names.K_SCHEMA: names.SCHEMA,
         names.K_KIND: kind,

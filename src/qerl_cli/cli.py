@@ -9,10 +9,28 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 from rich.markup import escape
 
 from . import __version__, ui
 from .errors import QerlError
+
+_click_errors = sys.modules[typer.BadParameter.__module__]  # click's exceptions (vendored by recent typer)
+
+
+class _Stage(typer.core.TyperCommand):
+    """A stage's command. Click's parser raises some usage errors (an option without its value, a flag given
+    one) without the command's context, so the one-line error named ``qerl --help``: here they get it, and the
+    line names ``qerl STAGE --help``."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except _click_errors.UsageError as e:
+            if e.ctx is None:
+                e.ctx = ctx
+            raise
+
 
 app = typer.Typer(
     name="qerl",
@@ -43,7 +61,7 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     pass
 
 
-@app.command("calibrate")
+@app.command("calibrate", cls=_Stage)
 def calibrate_cmd(
     model: Annotated[str, typer.Argument(help="HF model directory, .gguf file, or 'smollm2-135m-instruct'.")],
     output: Output,
@@ -74,7 +92,7 @@ def calibrate_cmd(
               force=force, progress=progress, device=device)
 
 
-@app.command("quantize")
+@app.command("quantize", cls=_Stage)
 def quantize_cmd(
     model: Annotated[str, typer.Argument(help="HF model directory, .gguf file, or 'smollm2-135m-instruct'.")],
     output: Output,
@@ -99,7 +117,7 @@ def quantize_cmd(
     quantize(model, output, calib=calib, config_file=config, force=force, progress=progress)
 
 
-@app.command("pack")
+@app.command("pack", cls=_Stage)
 def pack_cmd(
     quant: Annotated[Path, typer.Argument(help="quant artifact directory (from `qerl quantize`).")],
     output: Output,
@@ -118,7 +136,7 @@ def pack_cmd(
     pack(quant, output, config_file=config, force=force, progress=progress)
 
 
-@app.command("verify")
+@app.command("verify", cls=_Stage)
 def verify_cmd(
     packed: Annotated[Path, typer.Argument(help="packed artifact directory (from `qerl pack`).")],
     output: Output,
@@ -147,7 +165,7 @@ def verify_cmd(
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 
-@app.command("rollout")
+@app.command("rollout", cls=_Stage)
 def rollout_cmd(
     source: Annotated[str, typer.Argument(help="packed artifact (NVFP4), or a model (HF dir, .gguf, 'smollm2-135m-instruct') for the bf16 baseline.")],
     output: Output,
@@ -185,7 +203,7 @@ def rollout_cmd(
             config_file=config, force=force, progress=progress)
 
 
-@app.command("train")
+@app.command("train", cls=_Stage)
 def train_cmd(
     source: Annotated[str, typer.Argument(help="packed artifact (NVFP4, must be verified), or a model (HF dir, .gguf, 'smollm2-135m-instruct') for the bf16 LoRA baseline.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Run directory to write (a `run` artifact).")],
@@ -241,7 +259,7 @@ def train_cmd(
                                         "eval_task": eval_task, "gradient_checkpointing": gradient_checkpointing})
 
 
-@app.command("evaluate")
+@app.command("evaluate", cls=_Stage)
 def evaluate_cmd(
     source: Annotated[str, typer.Argument(help="packed or quant artifact, or a model (HF dir, .gguf, 'smollm2-135m-instruct').")],
     output: Output,
@@ -277,7 +295,7 @@ def evaluate_cmd(
              verify_dir=verify_dir, skip_verify=skip_verify, config_file=config, force=force, progress=progress)
 
 
-@app.command("report")
+@app.command("report", cls=_Stage)
 def report_cmd(
     artifacts: Annotated[list[Path], typer.Argument(help="eval artifacts (the first is the baseline of the paired tests) and/or train runs.")],
     output: Output,
@@ -314,12 +332,11 @@ def _on_signal(signum, frame):
 def main() -> None:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    cex = sys.modules[typer.BadParameter.__module__]  # click's exceptions (vendored by recent typer)
     try:
         code = app(prog_name="qerl", standalone_mode=False)  # (usage errors come here: one line, not a box)
-    except getattr(cex, "NoArgsIsHelpError", ()) as e:  # the help is already on stdout
+    except getattr(_click_errors, "NoArgsIsHelpError", ()) as e:  # the help is already on stdout
         sys.exit(e.exit_code)
-    except cex.ClickException as e:  # a bad, missing or unknown option or argument
+    except _click_errors.ClickException as e:  # a bad, missing or unknown option or argument
         msg = " ".join(e.format_message().split()).rstrip(".")
         cmd = e.ctx.command_path if getattr(e, "ctx", None) is not None else "qerl"
         ui.console.print(f"[bold red]error:[/] {escape(msg)}; see `{escape(cmd)} --help`.", soft_wrap=True)

@@ -23,6 +23,12 @@ Behaviour log-probs: for each sampled token, the log-prob under the distribution
 from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
 log-prob under the untruncated tempered softmax is stored too (``tempered_logprobs``); both are equal when
 top-k = 0 and top-p = 1. Greedy decoding (temperature 0) records 0.0 (a deterministic policy).
+
+Non-finite logits (NaN/Inf: a diverged adapter, overflowing activations) are a clear error, never a crash in
+``torch.multinomial`` (a raw RuntimeError on CPU, a device-side assert that kills the process on CUDA): each
+decode step replaces such rows by finite ones before sampling (the fused sampling kernel never draws a NaN or +inf
+logit) and records on the device that it did, and the loop reads that record where it syncs anyway (every 8
+steps and at the end), raising before any batch returns.
 """
 
 from __future__ import annotations
@@ -787,9 +793,23 @@ class Engine:
                 and not (cfg.top_k and cfg.top_k < vocab) and cfg.top_p >= 1)
 
     @staticmethod
+    def finite_rows(logits: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits with every non-finite row set to 0, whether any such row is among ``rows``)``, the flag a
+        0-dim bool tensor on the logits' device (no host sync): sampling from the result cannot fail, and the
+        caller raises on the flag. ``rows``: a bool mask of the rows that count (default all).
+
+        A row is non-finite when its sum is: it holds a NaN or an Inf, or logits so huge (~1e34 and up) that they
+        sum past fp32's range, which tempering and softmax would overflow anyway. One reduction per row, not an
+        elementwise test and a reduction."""
+        bad = ~torch.isfinite(logits.sum(-1))
+        flag = (bad if rows is None else bad & rows).any()
+        return logits.masked_fill(bad[:, None], 0.0), flag
+
+    @staticmethod
     def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(token, behaviour log-prob, tempered log-prob) per row of fp32 ``logits [R, V]``."""
+        """(token, behaviour log-prob, tempered log-prob) per row of fp32 ``logits [R, V]`` (finite: see
+        ``finite_rows``)."""
         if cfg.temperature == 0:
             tok = logits.argmax(-1)
             zero = torch.zeros(tok.shape, dtype=torch.float32, device=logits.device)
@@ -894,14 +914,17 @@ class Engine:
         finished = torch.zeros(r, dtype=torch.bool, device=dev)
         at = torch.zeros((), dtype=torch.long, device=dev)
         fast = self._fast_sampling(sampling, logits.shape[-1])
-        bad = torch.zeros(1, dtype=torch.int32, device=dev) if fast else None
+        bad = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused sampler's record of a NaN / +inf logit
+        nonfinite = torch.zeros(t_new, dtype=torch.bool, device=dev)  # per step: a live row's logits had NaN/Inf
         steps = 0
         for step in range(t_new):
             tok = (_fk.sample_step(logits, sampling.temperature, seed, step, finished, eos, pad_id, out, mask, blp,
                                    tlp, bad) if fast else None)
             if tok is None:  # torch's ops (CPU, truncation, or shapes the kernel declines)
-                tok, lb, lt = self.sample(logits, sampling, gen)
                 live = ~finished
+                logits, bad_rows = self.finite_rows(logits, live)
+                nonfinite[step] = bad_rows
+                tok, lb, lt = self.sample(logits, sampling, gen)
                 tok = torch.where(live, tok, torch.full_like(tok, pad_id))
                 out[:, step] = tok
                 mask[:, step] = live
@@ -909,18 +932,21 @@ class Engine:
                 tlp[:, step] = torch.where(live, lt, torch.zeros_like(lt))
                 finished = finished | (live & torch.isin(tok, eos))
             steps = step + 1
-            # the all-finished test syncs with the GPU: only every 8 steps, so the host queues ahead in between
-            # (steps past the last live token are trimmed below; they sample pad only)
-            if step == t_new - 1 or (step % 8 == 7 and bool(finished.all())):
+            # the all-finished (and non-finite) test syncs with the GPU: only every 8 steps, so the host queues
+            # ahead in between (steps past the last live token are trimmed below; they sample pad only)
+            if step == t_new - 1 or (step % 8 == 7 and bool(finished.all() | nonfinite.any() | (bad != 0).any())):
                 break
             at.fill_(p_len + step)
             logits = decode(tok, next_pos, at)
             next_pos = next_pos + 1
         sync()
         t2 = time.perf_counter()
-        if bad is not None and int(bad):
-            raise QerlError("the model's logits were not finite (NaN or inf) at a decode step; check the model "
-                            "weights and the adapter (a diverged update?).")
+        if bool(nonfinite.any() | (bad != 0).any()):
+            where = (f"at decode step {int(nonfinite.nonzero()[0]) + 1} of {t_new}" if bool(nonfinite.any())
+                     else "at a decode step")
+            raise QerlError(f"the model's logits are not finite (NaN or Inf) {where}, so nothing can be sampled "
+                            "from them; check the model's and the adapter's weights for NaN/Inf or huge values (a "
+                            "diverged adapter: lower the learning rate) and that the AQN sigma is small.")
         steps = int(mask[:, :steps].any(0).nonzero()[-1]) + 1  # every row is live at step 0
         ended = (mask & torch.isin(out, eos)).any(1).cpu()
         gen_tokens = int(mask.sum())

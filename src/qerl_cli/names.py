@@ -30,6 +30,7 @@ STEP_DIR_GLOB = "step-" + "[0-9]" * 8
 OPTIMIZER_STATE = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"  # step, data cursor, optimizer param groups
 RNG_STATE = "rng.safetensors"
+STEP_HASHES = "checkpoint_hashes.json"  # sha256 and size of every other file of a step dir; written last
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT format
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

@@ -19,8 +19,9 @@ The run directory is a ``run`` artifact written **incrementally**, which the ato
 * ``train_config.json`` (resolved config, inputs, cache key, policy, definitions) is written first;
   ``metrics.jsonl`` gets one line per completed step.
 * each checkpoint ``step-00000050/`` (PEFT adapter, ``optimizer.safetensors``, ``rng.safetensors``,
-  ``trainer_state.json`` with the step and the data cursor) is written into a temporary sibling and renamed:
-  a step dir that exists is complete.
+  ``trainer_state.json`` with the step and the data cursor, and last ``checkpoint_hashes.json``: the sha256 and
+  size of each of those files) is written into a temporary sibling and renamed: a step dir that exists is
+  complete, and ``--resume`` checks its hashes before loading it (a step dir without them is incomplete).
 * ``manifest.json`` is written last (atomically), when every step is done: only then is the directory a
   complete, cacheable artifact (rerunning the same command is a cache hit). A directory without a manifest
   is an unfinished run: ``--resume`` continues from its last complete step dir (``metrics.jsonl`` is cut back
@@ -392,6 +393,7 @@ def _write_json_atomic(path: Path, obj) -> None:
 
 
 def _save_step(out: Path, step: int, pm, opt, cursor: int, world: int) -> Path:
+    """Write checkpoint ``step`` into a temporary sibling, its file hashes last, and rename it into place."""
     final = out / names.STEP_DIR.format(step)
     tmp = out / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -409,13 +411,37 @@ def _save_step(out: Path, step: int, pm, opt, cursor: int, world: int) -> Path:
     state = {"step": step, "data_cursor": cursor, "world_size": world, "param_groups": groups,
              "python_random": None}
     (tmp / names.TRAINER_STATE).write_text(json.dumps(state, indent=1) + "\n")
+    hashes = {names.K_FILES: artifact.list_files(tmp, skip=names.STEP_HASHES)}
+    (tmp / names.STEP_HASHES).write_text(json.dumps(hashes, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
     return final
 
 
+def _check_step(d: Path) -> None:
+    """A clear error unless every file of checkpoint ``d`` matches the hashes written with it."""
+    what = "delete it to resume from the checkpoint before it, or start over with --force."
+    f = d / names.STEP_HASHES
+    if not f.is_file():
+        raise QerlError(f"the checkpoint {d} is incomplete: it lacks {names.STEP_HASHES}, which qerl writes last (it "
+                        "was cut short or altered, or an older qerl that did not hash checkpoints wrote it), so it "
+                        f"cannot be resumed safely; {what}")
+    try:
+        files = json.loads(f.read_text())[names.K_FILES]
+        if not (isinstance(files, list) and files and all(isinstance(e, dict) for e in files)):
+            raise ValueError("not a list of file entries")
+    except (OSError, ValueError, TypeError, KeyError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise QerlError(f"the checkpoint {d} is damaged: its {names.STEP_HASHES} cannot be read "
+                        f"({type(e).__name__}: {e}); {what}") from None
+    problem = artifact.check_files(d, files, listing=names.STEP_HASHES)
+    if problem is not None:
+        raise QerlError(f"the checkpoint {d} is damaged: {problem}; {what}")
+
+
 def _load_step(d: Path, pm, opt) -> dict:
+    """Restore checkpoint ``d`` (its hashes checked first) into ``pm`` and ``opt`` and the RNGs; its state."""
+    _check_step(d)
     lora.load_adapter_weights(pm, d)
     state = json.loads((d / names.TRAINER_STATE).read_text())
     flat = load_file(str(d / names.OPTIMIZER_STATE))
@@ -829,7 +855,7 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
             st = _load_step(steps_done[-1], pm, trainer.opt)
         except QerlError:
             raise
-        except Exception as e:  # a checkpoint cut short or damaged (they carry no hashes)
+        except Exception as e:  # hashes match but it does not load (e.g. written by another qerl version)
             raise QerlError(f"the checkpoint {steps_done[-1]} cannot be loaded ({type(e).__name__}: {e}); delete it to "
                             "resume from the one before, or start over with --force.") from None
         if st["world_size"] != dist.world:
