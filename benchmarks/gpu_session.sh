@@ -59,6 +59,9 @@
 #   28                             session 13 (branch fused-sampler): build, the fused and engine GPU tests (the
 #                                  fused sampling kernel), the 7B-shape rollouts with the fused sampler against
 #                                  torch's sampling ops (bench_rollout.py --sampler)
+#   29                             session 13, final main: build, every GPU test file, then the 7B-shape LoRA
+#                                  rollout bench (q/k/v expand in the rotary kernel against its own kernel against
+#                                  separate shrinks, interleaved)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -344,6 +347,15 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 570 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --sampler \
     --json "$OUT/rollout_sampler.json" 2>&1 | tee "$OUT/bench_rollout_sampler.log" | grep -v '^{'
   stamp 28 "sampler rollouts done"
+  ;;
+29)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 29 "kernels built"
+  COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_fused_gpu.py tests/test_engine_gpu.py tests/test_calibrate_gpu.py tests/test_train_gpu.py \
+    tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 30 "$OUT/gpu_tests.log"
+  stamp 29 "GPU tests done"
+  lora_rollout $(( 575 - $(date +%s) + t0 )) 29
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -513,6 +513,71 @@ def test_fused_kernel_path_plumbing_on_cpu(model, monkeypatch):
     torch.testing.assert_close(tf_b, tf_a, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
+    """The fused-kernel path with an adapter, the kernels replaced by their torch definitions (fp32, CPU): the
+    q/k/v and gate/up shrinks made by the norm, the down shrink by SiLU·mul, the q/k/v expand inside the rotary
+    kernel, the other expands after the base. Each fake is called (so the routing is what is tested), and tokens
+    and log-probs equal those of the plain path with the same adapter; with ``fused_shrink`` off none is called."""
+    from qerl_cli import engine as E
+
+    calls = {"norm": 0, "silu": 0, "rope_lora": 0}
+
+    def add_norm(h, d, w, eps):
+        s = h if d is None else h + d
+        return s, E._rms_norm_fused(s, w, eps)
+
+    def add_norm_shrink(h, d, w, eps, a):
+        calls["norm"] += 1
+        s, x = add_norm(h, d, w, eps)
+        return s, x, x.reshape(-1, x.shape[-1]) @ a.t()
+
+    def silu_mul_shrink(g, u, a):
+        calls["silu"] += 1
+        out = F.silu(g) * u
+        return out, out.reshape(-1, out.shape[-1]) @ a.t()
+
+    def rope_kv(y, cos, sin, kc, vc, slot0, n_heads, lora=None):
+        b, t, _ = y.shape
+        if lora is not None:
+            calls["rope_lora"] += 1
+            hs, bs, _ = lora
+            y = y + (hs @ bs).view(y.shape)
+        d, kv = kc.shape[-1], kc.shape[1]
+        qk = E._rope1(y[..., : (n_heads + kv) * d].view(b, t, n_heads + kv, d), cos.unsqueeze(2), sin.unsqueeze(2))
+        slots = slot0.reshape(1) + torch.arange(t)
+        kc.index_copy_(2, slots, qk[:, :, n_heads:].transpose(1, 2))
+        vc.index_copy_(2, slots, y[..., (n_heads + kv) * d:].view(b, t, kv, d).transpose(1, 2))
+        return qk[:, :, :n_heads].transpose(1, 2).contiguous()
+
+    monkeypatch.setattr(E._fk, "add_norm", add_norm)
+    monkeypatch.setattr(E._fk, "add_norm_shrink", add_norm_shrink)
+    monkeypatch.setattr(E._fk, "silu_mul_shrink", silu_mul_shrink)
+    monkeypatch.setattr(E._fk, "rope_kv", rope_kv)
+    monkeypatch.setattr(E._fk, "silu_mul", lambda g, u: F.silu(g) * u)
+    g = torch.Generator().manual_seed(3)
+    factors = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in E.PROJECTIONS:
+            lin = layer.get_submodule(name)
+            factors[f"model.layers.{i}.{name}"] = (torch.randn(5, lin.in_features, generator=g) * 0.1,
+                                                   torch.randn(lin.out_features, 5, generator=g) * 0.1)
+    plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
+    monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
+    for eng in (plain, kern):
+        eng.set_adapter(LoRA(factors, scaling=2.0))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    a = plain.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    b = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    n_layers = len(model.model.layers)
+    assert calls["norm"] >= 2 * n_layers and calls["silu"] >= n_layers and calls["rope_lora"] >= n_layers, calls
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
+    before = dict(calls)
+    kern.fused_shrink = False
+    c = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    assert calls == before and torch.equal(c.completion_ids, a.completion_ids)
+
+
 def test_fused_kernels_failed_build_warns_and_falls_back(monkeypatch):
     """Where CUDA is present but the fused kernels do not build, one warning says so and the engine's torch ops
     run (no silent slowdown, no crash)."""

@@ -478,6 +478,9 @@ class Engine:
         # batch 8, rank 32: 1,800 / 1,803 against 1,727 / 1,718 tokens/s); QERL_ENGINE_FUSED_SHRINK=0 (or False)
         # launches it on its own
         self.fused_shrink = os.environ.get("QERL_ENGINE_FUSED_SHRINK", "1") != "0"
+        # and the fused q/k/v group's expand (h @ B) rides in the rotary + KV-write kernel (fused.rope_kv with
+        # lora); QERL_ENGINE_ROPE_LORA=0 (or False) gives it its own kernel
+        self.rope_lora = os.environ.get("QERL_ENGINE_ROPE_LORA", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
         # decode steps on CUDA at temperature > 0 without top-k / top-p draw their tokens in one fused kernel
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
@@ -671,7 +674,15 @@ class Engine:
         qkn = self.qk_norm[i] if self.qk_norm is not None else None
         if kernels and f is not None and cache is not None and self.head_dim % 16 == 0 and qkn is None:
             kc, vc = cache[i]
-            q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
+            terms = self._lora_snap.get(id(f)) if shrunk is not None and self.rope_lora else None
+            if isinstance(terms, tuple):  # the group's LoRA expand inside the rotary kernel, where it takes it
+                y = f.base(x)
+                q = _fk.rope_kv(y, cos, sin, kc, vc, slots[:1], self.n_heads, (shrunk, terms[1], terms[2]))
+                if q is None:
+                    y = _lora_add(y, x, terms, self._kernels and self.lora_kernels, shrunk)
+                    q = _fk.rope_kv(y, cos, sin, kc, vc, slots[:1], self.n_heads)
+            else:
+                q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
             k, v = kc, vc
         elif f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
             y = self._fused_out(f, x, shrunk)
@@ -713,9 +724,8 @@ class Engine:
         """``_layer`` with the fused kernels (no grad, CUDA, bf16): the residual add of the previous layer's MLP
         output (``pending``) inside this layer's input norm, rotary + KV-cache write in one kernel, SiLU·mul in
         one. Returns the residual stream and this layer's MLP output, not yet added."""
-        rows = h.shape[0] * h.shape[1]
-        t_qkv, t_gu = (self._shrink_terms(self.fused[i].get(k), rows) for k in ("qkv", "gate_up"))
-        t_down = self._shrink_terms(self.layers[i].mlp.down_proj, rows)
+        t_qkv, t_gu = (self._shrink_terms(self.fused[i].get(k), h) for k in ("qkv", "gate_up"))
+        t_down = self._shrink_terms(self.layers[i].mlp.down_proj, h)
         h, x, s_qkv = self._add_norm(h, pending, w_in, t_qkv)
         o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True, shrunk=s_qkv)
         h, x, s_gu = self._add_norm(h, o, w_post, t_gu)
@@ -728,15 +738,16 @@ class Engine:
             return made
         return (*_fk.add_norm(h, d, w, self.eps), None)
 
-    def _shrink_terms(self, module, rows: int) -> tuple | None:
-        """The batched LoRA terms of ``module`` (a fused group or a linear) in this no-grad call, where their
-        shrink can ride in the fused kernel that makes their input: decode steps (at most
-        ``fused.LORA_MAX_ROWS`` rows) with the LoRA kernels on, bf16 factors, no autocast. Else None."""
+    def _shrink_terms(self, module, h: torch.Tensor) -> tuple | None:
+        """The batched LoRA terms of ``module`` (a fused group or a linear) in this no-grad call on hidden states
+        ``h``, where their shrink can ride in the fused kernel that makes their input: decode steps (at most
+        ``fused.LORA_MAX_ROWS`` rows) with the LoRA kernels on, factors in the activations' dtype (the kernels
+        take bf16), no autocast. Else None."""
         if (module is None or self._lora_snap is None or not (self.lora_kernels and self.fused_shrink)
-                or rows > _fk.LORA_MAX_ROWS or torch.is_autocast_enabled("cuda")):
+                or h.shape[0] * h.shape[1] > _fk.LORA_MAX_ROWS or torch.is_autocast_enabled(h.device.type)):
             return None
         t = self._lora_snap.get(id(module))
-        return t if isinstance(t, tuple) and t[0].dtype == t[1].dtype == torch.bfloat16 else None
+        return t if isinstance(t, tuple) and t[0].dtype == t[1].dtype == h.dtype else None
 
     # ---------------------------------------------------------------- sampling
     def _new_cache(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
