@@ -82,8 +82,7 @@ def random_lora(model, rank: int) -> LoRA:
 
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
-                sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, rope_lora=True,
-                **engine_kw) -> dict:
+                sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
         eng.set_noise(sigma, 0, noise_scope, batch if noise_scope == "group" else 1, 1)
@@ -93,7 +92,6 @@ def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_
         eng.batch_lora = batch_lora
         eng.lora_kernels = lora_kernels
         eng.fused_shrink = fused_shrink
-        eng.rope_lora = rope_lora
     ps = prompts(batch, p_len, vocab)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
     # warm-up on exactly the measured shapes, cache length included: a first call at a new shape pays library
@@ -377,9 +375,9 @@ def variants_part(result, rows, save, names: list[str]) -> None:
 
 def lora_part(result, rows, save) -> None:
     """Rollout speed with an adapter (the training case): 7B shapes, batch 8, LoRA rank 32 on every projection.
-    The default (shrinks fused into the norm and SiLU·mul kernels, the q/k/v expand into the rotary kernel) and
-    its A/B partners (the q/k/v expand its own kernel; every shrink its own kernel too, session 8's default) run
-    twice, interleaved."""
+    The default (shrinks fused into the norm and SiLU·mul kernels) and its A/B partner (every shrink its own
+    kernel, session 8's default) run twice, interleaved. (Session 13 also timed the q/k/v expand inside the rotary
+    kernel here: slower, not kept; benchmarks/results/s13c_*.)"""
     big = random_model(qwen7b_config())
     for name, kw in (("ours-bf16", {}), ("ours-bf16 +lora32", {"lora_rank": 32})):
         rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8, **time_engine(big, 8, 256, 512, 152064, **kw)})
@@ -392,7 +390,6 @@ def lora_part(result, rows, save) -> None:
     save()
     for _ in range(2):
         for name, kw in (("ours-nvfp4 +lora32", {"lora_rank": 32}),
-                         ("ours-nvfp4 +lora32 q/k/v expand own kernel", {"lora_rank": 32, "rope_lora": False}),
                          ("ours-nvfp4 +lora32 separate shrink", {"lora_rank": 32, "fused_shrink": False})):
             rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
                          **time_engine(big, 8, 256, 512, 152064, **kw)})

@@ -59,9 +59,10 @@
 #   28                             session 13 (branch fused-sampler): build, the fused and engine GPU tests (the
 #                                  fused sampling kernel), the 7B-shape rollouts with the fused sampler against
 #                                  torch's sampling ops (bench_rollout.py --sampler)
-#   29                             session 13, final main: build, every GPU test file, then the 7B-shape LoRA
-#                                  rollout bench (q/k/v expand in the rotary kernel against its own kernel against
-#                                  separate shrinks, interleaved)
+#   29                             session 13, main: build, every GPU test file, then the 7B-shape LoRA rollout
+#                                  bench (it ran with the q/k/v expand inside the rotary kernel, measured slower and
+#                                  removed; the bench now times fused against separate shrinks, interleaved)
+#   30                             session 13, final main: build, the fused / engine / extension-error GPU tests
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -356,6 +357,13 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 30 "$OUT/gpu_tests.log"
   stamp 29 "GPU tests done"
   lora_rollout $(( 575 - $(date +%s) + t0 )) 29
+  ;;
+30)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 30 "kernels built"
+  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_fused_gpu.py \
+    tests/test_engine_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 30 "$OUT/gpu_tests.log"
+  stamp 30 "GPU tests done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -456,15 +456,10 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float
 
 // thread = (row, head, 8-wide chunk of the first half of head_dim): it writes that chunk and its partner in the
 // second half (rotate_half pairs element i with i + D/2)
-// With hs (LoRA, decode steps): first y += hs @ bs on the thread's 16 columns, as lora_expand_kernel adds it
-// (y' = bf16(float(y) + sum over the column's member rows r of hs[row, r] * bs[r, n]), the sum in rank order), so
-// the fused q/k/v group's LoRA expand needs no launch of its own; the bs rows are constants of the step (their
-// loads are not hoisted above the wait, though: they depend on the row's hs, read after it).
 __global__ void rope_kv_kernel(const bf16* __restrict__ y, int64_t y_stride, const bf16* __restrict__ cos,
                                const bf16* __restrict__ sin, int64_t cs_stride, bf16* __restrict__ q_out,
                                bf16* __restrict__ kc, bf16* __restrict__ vc, const int64_t* __restrict__ slot0,
-                               int batch, int t_len, int n_heads, int n_kv, int head_dim, int64_t slots,
-                               const float* __restrict__ hs, int R, const bf16* __restrict__ bs, LoraSegs segs) {
+                               int batch, int t_len, int n_heads, int n_kv, int head_dim, int64_t slots) {
   qerl_pdl::trigger();
   qerl_pdl::wait();
   const int half = head_dim / 2, chunks = half / 8, heads = n_heads + 2 * n_kv;
@@ -476,39 +471,7 @@ __global__ void rope_kv_kernel(const bf16* __restrict__ y, int64_t y_stride, con
   const int bi = static_cast<int>(r / t_len), t = static_cast<int>(r % t_len);
   const int lo = c * 8, hi = lo + half;
   const bf16* x = y + r * y_stride + static_cast<int64_t>(hd) * head_dim;
-  Vec8 xl = ld8(x + lo), xh = ld8(x + hi);
-  if (hs) {
-    const int n0 = hd * head_dim;  // a head lies inside one member (member widths are whole heads)
-    const int64_t N = static_cast<int64_t>(heads) * head_dim;
-    int rb = 0, re = 0;
-    bool found = false;
-#pragma unroll
-    for (int i = 0; i < kLoraMaxSegs; ++i)
-      if (!found && i < segs.n && n0 < segs.col_end[i]) {
-        rb = segs.row_begin[i];
-        re = segs.row_end[i];
-        found = true;
-      }
-    float al[8], ah[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) al[j] = ah[j] = 0.f;
-    const float* hr = hs + r * R;
-#pragma unroll 4
-    for (int k = rb; k < re; ++k) {
-      const float hv = hr[k];
-      const Vec8 bl = ld8(bs + k * N + n0 + lo), bh = ld8(bs + k * N + n0 + hi);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        al[j] += hv * f(bl.v[j]);
-        ah[j] += hv * f(bh.v[j]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      xl.v[j] = b(f(xl.v[j]) + al[j]);
-      xh.v[j] = b(f(xh.v[j]) + ah[j]);
-    }
-  }
+  const Vec8 xl = ld8(x + lo), xh = ld8(x + hi);
   bf16* dst;
   if (hd < n_heads) {
     dst = q_out + ((static_cast<int64_t>(bi) * n_heads + hd) * t_len + t) * head_dim;
@@ -812,37 +775,10 @@ void silu_mul(const at::Tensor& g, const at::Tensor& u, at::Tensor& out, const c
                                    g.stride(0), mptr(out), rows, static_cast<int>(width)));
 }
 
-// segs (see lora_add) into LoraSegs; false when they are malformed (odd, decreasing, past R or not ending at N)
-bool parse_segs(const std::vector<int64_t>& segs, int64_t N, int64_t R, LoraSegs& sg) {
-  sg = LoraSegs{};
-  if (segs.empty()) {
-    sg.n = 1;
-    sg.col_end[0] = static_cast<int>(N);
-    sg.row_end[0] = static_cast<int>(R);
-    return true;
-  }
-  if (segs.size() % 3 != 0 || segs.size() / 3 > (size_t)kLoraMaxSegs) return false;
-  sg.n = static_cast<int>(segs.size() / 3);
-  int64_t prev = 0;
-  for (int i = 0; i < sg.n; ++i) {
-    const int64_t ce = segs[3 * i], rb = segs[3 * i + 1], re = segs[3 * i + 2];
-    if (ce <= prev || ce % 2 != 0 || rb < 0 || rb > re || re > R) return false;
-    sg.col_end[i] = static_cast<int>(ce);
-    sg.row_begin[i] = static_cast<int>(rb);
-    sg.row_end[i] = static_cast<int>(re);
-    prev = ce;
-  }
-  return prev == N;
-}
-
 // y: [B * T, (H + 2 KV) * D] rows (unit column stride); cos, sin: [B * T, D] rows; q_out [B, H, T, D]
 // contiguous; kc, vc [B, KV, S, D] contiguous; slot0: int64 scalar on the device (first slot of this call)
-// With hs [B * T, R] (fp32, contiguous) and bs [R, (H + 2 KV) * D] (bf16, contiguous): y's LoRA expand y + hs @ bs
-// first (see rope_kv_kernel; segs as in lora_add). Returns false (nothing launched) when hs / bs / segs are given
-// but outside what the kernel takes (then the caller adds the expand itself and calls again without them).
-bool rope_kv(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q_out, at::Tensor& kc,
-             at::Tensor& vc, const at::Tensor& slot0, int64_t t_len, const c10::optional<at::Tensor>& hs,
-             const c10::optional<at::Tensor>& bs, const std::vector<int64_t>& segs) {
+void rope_kv(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q_out, at::Tensor& kc,
+             at::Tensor& vc, const at::Tensor& slot0, int64_t t_len) {
   check_bf16(y, "y");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
@@ -864,34 +800,14 @@ bool rope_kv(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, 
   TORCH_CHECK(slot0.is_cuda() && slot0.scalar_type() == at::kLong && slot0.numel() == 1,
               "qerl_fused: slot0 must be one int64 on the device");
   const int64_t n = batch * t_len * (n_heads + 2 * n_kv) * (d / 16);
-  const float* hsp = nullptr;
-  const bf16* bsp = nullptr;
-  int64_t R = 0;
-  LoraSegs sg{};
-  if (hs.has_value() || bs.has_value()) {
-    if (!hs.has_value() || !bs.has_value()) return false;
-    const int64_t N = (n_heads + 2 * n_kv) * d;
-    R = hs->size(-1);
-    if (!hs->is_cuda() || hs->scalar_type() != at::kFloat || !hs->is_contiguous() || hs->dim() != 2 ||
-        hs->size(0) != batch * t_len || hs->get_device() != y.get_device() || !bs->is_cuda() ||
-        bs->scalar_type() != at::kBFloat16 || !bs->is_contiguous() || bs->dim() != 2 || bs->size(0) != R ||
-        bs->size(1) != N || bs->get_device() != y.get_device() || reinterpret_cast<uintptr_t>(bs->data_ptr()) % 16 != 0 ||
-        R < 1 || R * N >= (int64_t(1) << 31) || !parse_segs(segs, N, R, sg))
-      return false;
-    for (int i = 0; i < sg.n; ++i)  // every member boundary on a head boundary
-      if (sg.col_end[i] % d != 0) return false;
-    hsp = hs->data_ptr<float>();
-    bsp = cptr(*bs);
-  }
-  if (n == 0) return true;
+  if (n == 0) return;
   const c10::cuda::CUDAGuard guard(y.device());
   C10_CUDA_CHECK(qerl_pdl::launch(rope_kv_kernel, dim3(blocks_for(n, 128)), dim3(128), 0,
                                    c10::cuda::getCurrentCUDAStream().stream(), y.get_device(), cptr(y), y.stride(0),
                                    cptr(cos), cptr(sin), cos.stride(0), mptr(q_out), mptr(kc), mptr(vc),
                                    static_cast<const int64_t*>(slot0.data_ptr<int64_t>()), static_cast<int>(batch),
                                    static_cast<int>(t_len), static_cast<int>(n_heads), static_cast<int>(n_kv),
-                                   static_cast<int>(d), kc.size(2), hsp, static_cast<int>(R), bsp, sg));
-  return true;
+                                   static_cast<int>(d), kc.size(2)));
 }
 
 // one self-resetting ticket buffer per (device, stream) for lora_shrink_kernel: launches on one stream are
@@ -905,6 +821,29 @@ int* lora_counters(const at::Tensor& like) {
   auto it = cache.find(key);
   if (it == cache.end()) it = cache.emplace(key, at::zeros({kShrinkMaxTiles}, like.options().dtype(at::kInt))).first;
   return it->second.data_ptr<int>();
+}
+
+// segs (see lora_add) into LoraSegs; false when they are malformed (odd, decreasing, past R or not ending at N)
+bool parse_segs(const std::vector<int64_t>& segs, int64_t N, int64_t R, LoraSegs& sg) {
+  sg = LoraSegs{};
+  if (segs.empty()) {
+    sg.n = 1;
+    sg.col_end[0] = static_cast<int>(N);
+    sg.row_end[0] = static_cast<int>(R);
+    return true;
+  }
+  if (segs.size() % 3 != 0 || segs.size() / 3 > (size_t)kLoraMaxSegs) return false;
+  sg.n = static_cast<int>(segs.size() / 3);
+  int64_t prev = 0;
+  for (int i = 0; i < sg.n; ++i) {
+    const int64_t ce = segs[3 * i], rb = segs[3 * i + 1], re = segs[3 * i + 2];
+    if (ce <= prev || ce % 2 != 0 || rb < 0 || rb > re || re > R) return false;
+    sg.col_end[i] = static_cast<int>(ce);
+    sg.row_begin[i] = static_cast<int>(rb);
+    sg.row_end[i] = static_cast<int>(re);
+    prev = ce;
+  }
+  return prev == N;
 }
 
 template <int MT, int U>
@@ -1068,12 +1007,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_expand", &qerl_fused::lora_expand,
         "out = y + hs @ bs for decode rows (M <= 16), hs from a fused shrink; false when the kernel does not take them",
         py::arg("hs"), py::arg("y"), py::arg("bs"), py::arg("out"), py::arg("segs") = std::vector<int64_t>());
-  m.def("rope_kv", &qerl_fused::rope_kv,
-        "rotary on q and k of a fused qkv row (after its LoRA expand with hs, bs); k, v into the KV cache; false when "
-        "hs / bs are outside what the kernel takes",
-        py::arg("y"), py::arg("cos"), py::arg("sin"), py::arg("q_out"), py::arg("kc"), py::arg("vc"), py::arg("slot0"),
-        py::arg("t_len"), py::arg("hs") = py::none(), py::arg("bs") = py::none(),
-        py::arg("segs") = std::vector<int64_t>());
+  m.def("rope_kv", &qerl_fused::rope_kv, "rotary on q and k of a fused qkv row; k, v into the KV cache");
   m.def("lora_add", &qerl_fused::lora_add,
         "out = y + bf16(x @ a^T) @ bs for decode rows (M <= 16); false when the shapes need the matmul path",
         py::arg("x"), py::arg("a"), py::arg("y"), py::arg("bs"), py::arg("out"),

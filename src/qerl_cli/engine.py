@@ -478,9 +478,6 @@ class Engine:
         # batch 8, rank 32: 1,800 / 1,803 against 1,727 / 1,718 tokens/s); QERL_ENGINE_FUSED_SHRINK=0 (or False)
         # launches it on its own
         self.fused_shrink = os.environ.get("QERL_ENGINE_FUSED_SHRINK", "1") != "0"
-        # and the fused q/k/v group's expand (h @ B) rides in the rotary + KV-write kernel (fused.rope_kv with
-        # lora); QERL_ENGINE_ROPE_LORA=0 (or False) gives it its own kernel
-        self.rope_lora = os.environ.get("QERL_ENGINE_ROPE_LORA", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
         # decode steps on CUDA at temperature > 0 without top-k / top-p draw their tokens in one fused kernel
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
@@ -674,15 +671,7 @@ class Engine:
         qkn = self.qk_norm[i] if self.qk_norm is not None else None
         if kernels and f is not None and cache is not None and self.head_dim % 16 == 0 and qkn is None:
             kc, vc = cache[i]
-            terms = self._lora_snap.get(id(f)) if shrunk is not None and self.rope_lora else None
-            if isinstance(terms, tuple):  # the group's LoRA expand inside the rotary kernel, where it takes it
-                y = f.base(x)
-                q = _fk.rope_kv(y, cos, sin, kc, vc, slots[:1], self.n_heads, (shrunk, terms[1], terms[2]))
-                if q is None:
-                    y = _lora_add(y, x, terms, self._kernels and self.lora_kernels, shrunk)
-                    q = _fk.rope_kv(y, cos, sin, kc, vc, slots[:1], self.n_heads)
-            else:
-                q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
+            q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
             k, v = kc, vc
         elif f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
             y = self._fused_out(f, x, shrunk)

@@ -7,8 +7,7 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
   (AQN's noisy scales, kept fp32 so that small draws do not round away);
 * ``silu_mul(g, u)`` -> ``silu(g) * u`` on the strided halves of a fused gate/up output, one kernel;
 * ``rope_kv(y, cos, sin, kc, vc, slot0, n_heads)`` -> q with rotary applied ``[B, H, T, D]``; k (rotary
-  applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven (with
-  ``lora=(hs, bs, segs)`` it adds the q/k/v group's LoRA expand first);
+  applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
 * ``lora_add(y, x, a, bs)`` -> ``y + bf16(x @ a^T) @ bs`` (a batched LoRA term) for decode steps of at most 16
   rows, in two small kernels instead of two cuBLAS matmuls (None where the shapes need the matmuls); the engine
   uses it for outputs up to ``LORA_KERNEL_MAX_N`` wide (``QERL_ENGINE_LORA_KERNELS=0``: never);
@@ -199,19 +198,15 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def rope_kv(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-            slot0: torch.Tensor, n_heads: int, lora: tuple | None = None) -> torch.Tensor | None:
+            slot0: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rotary q ``[B, H, T, D]`` from the fused q/k/v output ``y [B, T, (H + 2 KV) * D]``; rotary k and v go
-    into the caches ``[B, KV, S, D]`` at slots ``slot0 + t`` (``slot0``: one int64 on the device). ``lora``:
-    ``(hs, bs, segs)``, the group's LoRA expand ``y + hs @ bs`` done first in the same kernel (``hs [B * T, R]``
-    fp32 from ``add_norm_shrink``, ``bs`` and ``segs`` as in ``lora_add``, members on head boundaries); None
-    (nothing done) when the kernel does not take them."""
+    into the caches ``[B, KV, S, D]`` at slots ``slot0 + t`` (``slot0``: one int64 on the device)."""
     b, t, _ = y.shape
     d = kc.shape[-1]
     q = torch.empty((b, n_heads, t, d), dtype=y.dtype, device=y.device)
-    hs, bs, segs = lora if lora is not None else (None, None, ())
-    ok = _load().rope_kv(y.reshape(b * t, -1), cos.reshape(b * t, d), sin.reshape(b * t, d), q, kc, vc,
-                         slot0.reshape(1), t, hs, bs, list(segs))
-    return q if ok else None
+    _load().rope_kv(y.reshape(b * t, -1), cos.reshape(b * t, d), sin.reshape(b * t, d), q, kc, vc,
+                    slot0.reshape(1), t)
+    return q
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: torch.Tensor,
