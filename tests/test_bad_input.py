@@ -207,3 +207,7 @@ def test_nan_logits_mid_rollout_are_one_sentence_and_leave_the_old_output(tiny_p
                  "the model's logits are not finite (NaN or Inf) at decode step 1 of 4")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["diverged", "ro"]
+    # the HF reference path too (transformers' own sampling crashed in torch.multinomial)
+    _clean_error(run_cli(*args, "--adapter", str(huge), "--force", "--engine", "hf"),
+                 "the model's logits are not finite (NaN or Inf) at decode step 1 of 4")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

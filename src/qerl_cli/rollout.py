@@ -320,6 +320,24 @@ def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[in
                          "tokens_per_s": int(mask.sum()) / dt})
 
 
+class _FiniteLogits:
+    """A transformers logits processor that raises the engine's sentence on NaN / +inf scores, before transformers' sampling reaches them (a raw
+    RuntimeError in torch.multinomial on CPU, a device-side assert on CUDA). -inf is left alone: the truncation
+    warpers put it there. A host sync per step: this is the slow reference path."""
+
+    def __init__(self, max_new_tokens: int):
+        self.step, self.total = 0, max_new_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        if bool((torch.isnan(scores) | torch.isposinf(scores)).any()):
+            raise QerlError(f"the model's logits are not finite (NaN or Inf) at decode step {self.step} of "
+                            f"{self.total}, so nothing can be sampled from them; check the model's and the adapter's "
+                            "weights for NaN/Inf or huge values (a diverged adapter: lower the learning rate) and that "
+                            "the AQN sigma is small.")
+        return scores
+
+
 def _hf_chunk(model, prompts: list[list[int]], gen_cfg, temperature: float, eos: set[int], pad: int, dev):
     """(completion ids, mask, behaviour log-probs, tempered log-probs) of one ``generate`` call, on CPU."""
     p_len = max(len(p) for p in prompts)
@@ -328,7 +346,10 @@ def _hf_chunk(model, prompts: list[list[int]], gen_cfg, temperature: float, eos:
     for i, p in enumerate(prompts):
         ids[i, p_len - len(p):] = torch.tensor(p)
         att[i, p_len - len(p):] = 1
-    out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), generation_config=gen_cfg)
+    from transformers import LogitsProcessorList
+
+    out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), generation_config=gen_cfg,
+                         logits_processor=LogitsProcessorList([_FiniteLogits(gen_cfg.max_new_tokens)]))
     seq = out.sequences[:, p_len:].cpu()
     t = seq.shape[1]
     is_eos = torch.isin(seq, torch.tensor(sorted(eos)))
