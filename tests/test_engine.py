@@ -465,25 +465,33 @@ def test_fused_projections_with_fp32_peft_factors_on_bf16_weights(packed_dir):
     torch.testing.assert_close(out[1], out[0], rtol=0.05, atol=0.05)
 
 
+def _add_norm_torch(h, d, w, eps):
+    """fused.add_norm by its torch definition (the CPU plumbing tests)."""
+    from qerl_cli import engine as E
+
+    s = h if d is None else h + d
+    return s, E._rms_norm_fused(s, w, eps)
+
+
+def _rope_kv_torch(y, cos, sin, kc, vc, slot0, n_heads):
+    """fused.rope_kv by its torch definition (the CPU plumbing tests)."""
+    from qerl_cli import engine as E
+
+    b, t, _ = y.shape
+    d, kv = kc.shape[-1], kc.shape[1]
+    qk = E._rope1(y[..., : (n_heads + kv) * d].view(b, t, n_heads + kv, d), cos.unsqueeze(2), sin.unsqueeze(2))
+    slots = slot0.reshape(1) + torch.arange(t)
+    kc.index_copy_(2, slots, qk[:, :, n_heads:].transpose(1, 2))
+    vc.index_copy_(2, slots, y[..., (n_heads + kv) * d:].view(b, t, kv, d).transpose(1, 2))
+    return qk[:, :, :n_heads].transpose(1, 2).contiguous()
+
+
 def test_fused_kernel_path_plumbing_on_cpu(model, monkeypatch):
     """The engine's fused-kernel path (CUDA-only kernels) with the kernels replaced by their torch definitions,
     so its plumbing runs on CPU: the previous layer's MLP output added inside the next norm, the additive mask,
     rotary + KV-cache writes at ``slot0 + t`` in prefill and decode, the final residual add. Same tokens and
     log-probs as the plain path (fp32)."""
     from qerl_cli import engine as E
-
-    def add_norm(h, d, w, eps):
-        s = h if d is None else h + d
-        return s, E._rms_norm_fused(s, w, eps)
-
-    def rope_kv(y, cos, sin, kc, vc, slot0, n_heads):
-        b, t, _ = y.shape
-        d, kv = kc.shape[-1], kc.shape[1]
-        qk = E._rope1(y[..., : (n_heads + kv) * d].view(b, t, n_heads + kv, d), cos.unsqueeze(2), sin.unsqueeze(2))
-        slots = slot0.reshape(1) + torch.arange(t)
-        kc.index_copy_(2, slots, qk[:, :, n_heads:].transpose(1, 2))
-        vc.index_copy_(2, slots, y[..., (n_heads + kv) * d:].view(b, t, kv, d).transpose(1, 2))
-        return qk[:, :, :n_heads].transpose(1, 2).contiguous()
 
     calls = {"add_norm": 0, "rope_kv": 0, "silu_mul": 0}
 
@@ -493,8 +501,8 @@ def test_fused_kernel_path_plumbing_on_cpu(model, monkeypatch):
             return f(*a)
         return g
 
-    monkeypatch.setattr(E._fk, "add_norm", counted("add_norm", add_norm))
-    monkeypatch.setattr(E._fk, "rope_kv", counted("rope_kv", rope_kv))
+    monkeypatch.setattr(E._fk, "add_norm", counted("add_norm", _add_norm_torch))
+    monkeypatch.setattr(E._fk, "rope_kv", counted("rope_kv", _rope_kv_torch))
     monkeypatch.setattr(E._fk, "silu_mul", counted("silu_mul", lambda g, u: F.silu(g) * u))
     plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
     monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
@@ -522,13 +530,9 @@ def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
 
     calls = {"norm": 0, "silu": 0}
 
-    def add_norm(h, d, w, eps):
-        s = h if d is None else h + d
-        return s, E._rms_norm_fused(s, w, eps)
-
     def add_norm_shrink(h, d, w, eps, a):
         calls["norm"] += 1
-        s, x = add_norm(h, d, w, eps)
+        s, x = _add_norm_torch(h, d, w, eps)
         return s, x, x.reshape(-1, x.shape[-1]) @ a.t()
 
     def silu_mul_shrink(g, u, a):
@@ -536,19 +540,10 @@ def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
         out = F.silu(g) * u
         return out, out.reshape(-1, out.shape[-1]) @ a.t()
 
-    def rope_kv(y, cos, sin, kc, vc, slot0, n_heads):
-        b, t, _ = y.shape
-        d, kv = kc.shape[-1], kc.shape[1]
-        qk = E._rope1(y[..., : (n_heads + kv) * d].view(b, t, n_heads + kv, d), cos.unsqueeze(2), sin.unsqueeze(2))
-        slots = slot0.reshape(1) + torch.arange(t)
-        kc.index_copy_(2, slots, qk[:, :, n_heads:].transpose(1, 2))
-        vc.index_copy_(2, slots, y[..., (n_heads + kv) * d:].view(b, t, kv, d).transpose(1, 2))
-        return qk[:, :, :n_heads].transpose(1, 2).contiguous()
-
-    monkeypatch.setattr(E._fk, "add_norm", add_norm)
+    monkeypatch.setattr(E._fk, "add_norm", _add_norm_torch)
     monkeypatch.setattr(E._fk, "add_norm_shrink", add_norm_shrink)
     monkeypatch.setattr(E._fk, "silu_mul_shrink", silu_mul_shrink)
-    monkeypatch.setattr(E._fk, "rope_kv", rope_kv)
+    monkeypatch.setattr(E._fk, "rope_kv", _rope_kv_torch)
     monkeypatch.setattr(E._fk, "silu_mul", lambda g, u: F.silu(g) * u)
     g = torch.Generator().manual_seed(3)
     factors = {}
