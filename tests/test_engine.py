@@ -530,8 +530,11 @@ def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
 
     calls = {"norm": 0, "silu": 0}
 
+    ranks = []  # rank rows of every A a norm shrank with
+
     def add_norm_shrink(h, d, w, eps, a):
         calls["norm"] += 1
+        ranks.append(a.shape[0])
         s, x = _add_norm_torch(h, d, w, eps)
         return s, x, x.reshape(-1, x.shape[-1]) @ a.t()
 
@@ -567,6 +570,21 @@ def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
     kern.fused_shrink = False
     c = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
     assert calls == before and torch.equal(c.completion_ids, a.completion_ids)
+    # a partial adapter (q and v of the q/k/v group, down; nothing on gate/up): the group's shrink covers its
+    # members with a term only, gate/up's norm makes no shrink, and the result is still the plain path's
+    kern.fused_shrink = True
+    part = {n: f for n, f in factors.items() if n.endswith(("q_proj", "v_proj", "down_proj"))}
+    for eng in (plain, kern):
+        eng.set_adapter(LoRA(part, scaling=2.0))
+    before = dict(calls)
+    assert set(ranks) == {15, 10}  # full adapter: q/k/v 3 x 5 rank rows, gate/up 2 x 5
+    ranks.clear()
+    a = plain.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    b = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    assert calls["silu"] > before["silu"] and calls["norm"] > before["norm"]
+    assert set(ranks) == {10}  # q and v only: k has no rows in the stacked A, gate/up no shrink at all
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_kernels_failed_build_warns_and_falls_back(monkeypatch):
