@@ -152,14 +152,17 @@ def correctness(model, tok_prompts: list[list[int]], eos: int) -> dict:
             "bf16_logprob_gap_max": float(gap.max()), "bf16_logprob_gap_mean": float(gap.mean())}
 
 
-def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24) -> dict:
+def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lora_rank: int = 0) -> dict:
     """Where a decode step's GPU time goes: torch.profiler over an eager generate (same kernels as the graph),
-    kernels grouped by name, divided by the decode steps; plus the CUDA-graph step time for comparison."""
+    kernels grouped by name, divided by the decode steps; plus the CUDA-graph step time for comparison.
+    ``lora_rank``: with an adapter of that rank on every projection (the training case)."""
     from torch.profiler import ProfilerActivity, profile
 
     ps = prompts(batch, p_len, vocab)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
+    lora = random_lora(model, lora_rank) if lora_rank else None
     eager = Engine(model, "cuda", cuda_graph=False)
+    eager.set_adapter(lora)
     eager.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -174,14 +177,15 @@ def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24) -> 
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us_total"])[:25]
     total = sum(v["us_total"] for v in kernels.values())
     graph = Engine(model, "cuda", cuda_graph=True)
+    graph.set_adapter(lora)
     graph.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
     g = graph.generate(ps, 1, cfg, 1, set(), 0)
-    out = {"batch": batch, "prompt": p_len, "new_tokens": new,
+    out = {"batch": batch, "prompt": p_len, "new_tokens": new, "lora_rank": lora_rank,
            "gpu_kernel_us_total_incl_prefill": total, "kernel_launches": sum(v["calls"] for v in kernels.values()),
            "eager_decode_ms_per_step": 1e3 * b.timings["decode_s"] / steps,
            "graph_decode_ms_per_step": 1e3 * g.timings["decode_s"] / g.timings["decode_steps"],
            "top_kernels": [{"name": k[:120], **v, "us_per_step": v["us_total"] / steps} for k, v in top]}
-    print(f"decode profile b{batch}: eager {out['eager_decode_ms_per_step']:.2f} ms/step, graph "
+    print(f"decode profile b{batch} lora rank {lora_rank}: eager {out['eager_decode_ms_per_step']:.2f} ms/step, graph "
           f"{out['graph_decode_ms_per_step']:.2f} ms/step, {out['kernel_launches'] / steps:.0f} kernels/step")
     for k in out["top_kernels"]:
         print(f"  {k['us_per_step']:9.1f} us/step  {k['calls'] / steps:6.1f} calls/step  {k['name']}")
@@ -193,7 +197,8 @@ def main() -> None:
     ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2 GGUF file (real weights)")
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="profile the 7B-shape NVFP4 decode step at batch 8")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the 7B-shape NVFP4 decode step at batch 8 (with --lora-only: with the adapter)")
     ap.add_argument("--lora-only", action="store_true",
                     help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
                          "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
@@ -249,7 +254,7 @@ def main() -> None:
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.lora_only:
-        lora_part(result, rows, save)
+        lora_part(result, rows, save, profile=args.profile)
     elif not args.skip_7b:
         big = random_model(qwen7b_config())
         for batch in (8, 64):
@@ -373,11 +378,14 @@ def variants_part(result, rows, save, names: list[str]) -> None:
         kernel.set_variant(before)
 
 
-def lora_part(result, rows, save) -> None:
+def lora_part(result, rows, save, profile: bool = False) -> None:
     """Rollout speed with an adapter (the training case): 7B shapes, batch 8, LoRA rank 32 on every projection.
-    The default (shrinks fused into the norm and SiLU·mul kernels) and its A/B partner (every shrink its own
-    kernel, session 8's default) run twice, interleaved. (Session 13 also timed the q/k/v expand inside the rotary
-    kernel here: slower, not kept; benchmarks/results/s13c_*.)"""
+    The default (shrinks fused into the norm and SiLU·mul kernels) and its A/B partners (every shrink its own
+    kernel, session 8's default; the gate/up expand in our kernel instead of cuBLAS) run twice, interleaved.
+    (Session 13 also timed the q/k/v expand inside the rotary kernel here: slower, not kept;
+    benchmarks/results/s13c_*.) ``profile``: then the decode step's kernels with the adapter (torch.profiler)."""
+    from qerl_cli import fused
+
     big = random_model(qwen7b_config())
     for name, kw in (("ours-bf16", {}), ("ours-bf16 +lora32", {"lora_rank": 32})):
         rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8, **time_engine(big, 8, 256, 512, 152064, **kw)})
@@ -388,12 +396,24 @@ def lora_part(result, rows, save) -> None:
     rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": 8,
                  **time_engine(big, 8, 256, 512, 152064)})
     save()
+    max_n = fused.LORA_KERNEL_MAX_N
     for _ in range(2):
-        for name, kw in (("ours-nvfp4 +lora32", {"lora_rank": 32}),
-                         ("ours-nvfp4 +lora32 separate shrink", {"lora_rank": 32, "fused_shrink": False})):
-            rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
-                         **time_engine(big, 8, 256, 512, 152064, **kw)})
+        for name, kw, n in (("ours-nvfp4 +lora32", {"lora_rank": 32}, max_n),
+                            ("ours-nvfp4 +lora32 separate shrink", {"lora_rank": 32, "fused_shrink": False}, max_n),
+                            ("ours-nvfp4 +lora32 gate/up expand in our kernel", {"lora_rank": 32}, 1 << 30)):
+            fused.LORA_KERNEL_MAX_N = n
+            try:
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
+                             **time_engine(big, 8, 256, 512, 152064, **kw)})
+            finally:
+                fused.LORA_KERNEL_MAX_N = max_n
             save()
+    if profile:
+        try:
+            result["qwen7b_nvfp4_lora32_decode_profile_b8"] = profile_decode(big, 8, 256, 152064, lora_rank=32)
+        except Exception as e:  # a diagnosis: never lose the throughput rows to it
+            result["qwen7b_nvfp4_lora32_decode_profile_b8"] = {"error": repr(e)}
+        save()
 
 
 def smollm2_part(base, tok, result, rows, save) -> None:

@@ -63,6 +63,9 @@
 #                                  bench (it ran with the q/k/v expand inside the rotary kernel, measured slower and
 #                                  removed; the bench now times fused against separate shrinks, interleaved)
 #   30                             session 13, final main: build, the fused / engine / extension-error GPU tests
+#   31                             (prepared in session 13, not run) build, the fused / engine GPU tests, the LoRA
+#                                  rollout bench with the gate/up expand in our kernel as a third arm, then the
+#                                  adapter decode step's profile (where the remaining ~1.1 ms of LoRA goes)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -364,6 +367,16 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_fused_gpu.py \
     tests/test_engine_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 30 "$OUT/gpu_tests.log"
   stamp 30 "GPU tests done"
+  ;;
+31)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 31 "kernels built"
+  COLUMNS=200 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_fused_gpu.py \
+    tests/test_engine_gpu.py > "$OUT/gpu_tests.log" 2>&1; tail -n 20 "$OUT/gpu_tests.log"
+  stamp 31 "GPU tests done"
+  timeout $(( 575 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --profile --skip-smollm2 \
+    --json "$OUT/rollout_7b_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
+  stamp 31 "LoRA rollouts and profile done"
   ;;
 8)
   build; stamp 8 "kernels built"
