@@ -767,3 +767,37 @@ def test_sampler_named_per_config():
     cpu = Fake()
     cpu.device = torch.device("cpu")
     assert Engine.sampler(cpu, SamplingConfig(temperature=1.0, max_new_tokens=1), 100).startswith("torch.multinomial")
+
+
+def test_fused_add_norm_wrapper_plumbing_on_cpu(monkeypatch):
+    """fused's wrapper of the add + RMSNorm kernel (shared by add_norm and add_norm_shrink), the extension replaced
+    by the kernel's torch definition: rows flattened, per-row (AQN per-group) scales mapped to their rows, the
+    residual written only with d (else h itself comes back), the shrink made with a and only then."""
+    from qerl_cli import fused
+
+    seen = []
+
+    class Ext:
+        def add_rmsnorm(self, h, d, w, rows_per_w, h_out, x_out, eps, a=None, hs=None):
+            seen.append((tuple(h.shape), rows_per_w, d is None, h_out is x_out))
+            s = h if d is None else h + d
+            if d is not None:
+                h_out.copy_(s)
+            wr = w if w.dim() == 1 else w.repeat_interleave(rows_per_w, 0)
+            x_out.copy_((wr.float() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)).to(x_out.dtype))
+            if a is not None:
+                hs.copy_(x_out @ a.t())
+
+    monkeypatch.setattr(fused, "_load", lambda: Ext())
+    g = torch.Generator().manual_seed(0)
+    h, d = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    a = torch.randn(5, 16, generator=g)
+    for w in (torch.rand(16, generator=g) + 0.5, torch.rand(3, 1, 16, generator=g) + 0.5):
+        for dd in (d, None):
+            s, x, hs = fused._add_rmsnorm(h, dd, w, 1e-5, a)
+            s_ref, x_ref = fused._add_norm_torch(h, dd, w, 1e-5)
+            assert torch.equal(s, s_ref) and (dd is not None or s is h)
+            torch.testing.assert_close(x, x_ref, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(hs, x.reshape(6, 16) @ a.t(), rtol=1e-6, atol=1e-6)
+            assert seen[-1] == ((6, 16), 1 if w.dim() == 1 else 2, dd is None, dd is None)
+    assert fused._add_rmsnorm(h, d, w, 1e-5)[2] is None

@@ -86,22 +86,25 @@ def add_norm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: floa
     """``(h + d, rmsnorm(h + d) * w)`` for ``h, d [..., H]``; ``w`` ``[H]`` or ``[R, 1, H]`` with ``h`` ``[R, T, H]``."""
     if not h.is_cuda or w.dtype not in (h.dtype, torch.float32):  # the kernel reads bf16 or fp32 (noisy) scales
         return _add_norm_torch(h, d, w, eps)
+    s, x, _ = _add_rmsnorm(h, d, w, eps)
+    return s, x
+
+
+def _add_rmsnorm(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: float, a: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The extension's add_rmsnorm on ``h [..., H]`` (``w`` ``[H]`` or per-row ``[R, 1, H]`` for ``h [R, T, H]``;
+    ``d`` None: norm only, ``h`` itself is returned as the residual): ``(h + d, x, hs)``, ``hs`` the fp32
+    ``[rows, R]`` shrink ``bf16(x @ a^T)`` with ``a``, else None."""
     width = h.shape[-1]
     h2 = h.reshape(-1, width)
-    rows_per_w = 1
-    if w.dim() == 1:
-        w2 = w
-    else:  # per-row weights [R, 1, H] for h [R, T, H]
-        w2 = w.reshape(-1, width)
-        rows_per_w = h2.shape[0] // w2.shape[0]
-    w2 = w2.contiguous()
+    w2 = (w if w.dim() == 1 else w.reshape(-1, width)).contiguous()
+    rows_per_w = 1 if w.dim() == 1 else h2.shape[0] // w2.shape[0]
     x = torch.empty_like(h2)
-    if d is None:
-        _load().add_rmsnorm(h2.contiguous(), None, w2, rows_per_w, x, x, eps)
-        return h, x.view(h.shape)
-    s = torch.empty_like(h2)
-    _load().add_rmsnorm(h2.contiguous(), d.reshape(-1, width).contiguous(), w2, rows_per_w, s, x, eps)
-    return s.view(h.shape), x.view(h.shape)
+    s = x if d is None else torch.empty_like(h2)  # (no residual written without d)
+    hs = None if a is None else torch.empty(h2.shape[0], a.shape[0], dtype=torch.float32, device=h.device)
+    _load().add_rmsnorm(h2.contiguous(), None if d is None else d.reshape(-1, width).contiguous(), w2, rows_per_w,
+                        s, x, eps, a, hs)
+    return (h if d is None else s.view(h.shape)), x.view(h.shape), hs
 
 
 def _shrink_factor_ok(a: torch.Tensor, x_like: torch.Tensor) -> bool:
@@ -119,21 +122,7 @@ def add_norm_shrink(h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, ep
     if not (h.is_cuda and h.dtype == torch.bfloat16 and w.dtype in (h.dtype, torch.float32)
             and _shrink_factor_ok(a, h) and h.shape[-1] % 8 == 0 and h.shape[-1] <= MAX_WIDTH):
         return None
-    width = h.shape[-1]
-    h2 = h.reshape(-1, width)
-    rows_per_w = 1
-    w2 = w if w.dim() == 1 else w.reshape(-1, width)
-    if w.dim() != 1:
-        rows_per_w = h2.shape[0] // w2.shape[0]
-    x = torch.empty_like(h2)
-    hs = torch.empty(h2.shape[0], a.shape[0], dtype=torch.float32, device=h.device)
-    if d is None:
-        _load().add_rmsnorm(h2.contiguous(), None, w2.contiguous(), rows_per_w, x, x, eps, a, hs)
-        return h, x.view(h.shape), hs
-    s = torch.empty_like(h2)
-    _load().add_rmsnorm(h2.contiguous(), d.reshape(-1, width).contiguous(), w2.contiguous(), rows_per_w, s, x, eps,
-                        a, hs)
-    return s.view(h.shape), x.view(h.shape), hs
+    return _add_rmsnorm(h, d, w, eps, a)
 
 
 def silu_mul_shrink(g: torch.Tensor, u: torch.Tensor, a: torch.Tensor
