@@ -82,7 +82,8 @@ def random_lora(model, rank: int) -> LoRA:
 
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
-                sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, **engine_kw) -> dict:
+                sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
+                **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
         eng.set_noise(sigma, 0, noise_scope, batch if noise_scope == "group" else 1, 1)
@@ -92,6 +93,7 @@ def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_
         eng.batch_lora = batch_lora
         eng.lora_kernels = lora_kernels
         eng.fused_shrink = fused_shrink
+        eng.lora_in_kernel = lora_in_kernel
     ps = prompts(batch, p_len, vocab)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
     # warm-up on exactly the measured shapes, cache length included: a first call at a new shape pays library
@@ -380,12 +382,11 @@ def variants_part(result, rows, save, names: list[str]) -> None:
 
 def lora_part(result, rows, save, profile: bool = False) -> None:
     """Rollout speed with an adapter (the training case): 7B shapes, batch 8, LoRA rank 32 on every projection.
-    The default (shrinks fused into the norm and SiLU·mul kernels) and its A/B partners (every shrink its own
-    kernel, session 8's default; the gate/up expand in our kernel instead of cuBLAS) run twice, interleaved.
-    (Session 13 also timed the q/k/v expand inside the rotary kernel here: slower, not kept;
-    benchmarks/results/s13c_*.) ``profile``: then the decode step's kernels with the adapter (torch.profiler)."""
-    from qerl_cli import fused
-
+    The default (shrinks fused into the norm and SiLU·mul kernels, the q/k/v and o terms inside the NVFP4 kernel)
+    and its A/B partner (every expand its own kernel: session 13's default) run three times, interleaved.
+    (Session 13 also timed every shrink on its own and the q/k/v expand inside the rotary kernel, session 14's
+    first run the gate/up expand in our kernel instead of cuBLAS: all slower, benchmarks/results/s13c_*,
+    s14_*.) ``profile``: then the decode step's kernels with the adapter (torch.profiler)."""
     big = random_model(qwen7b_config())
     for name, kw in (("ours-bf16", {}), ("ours-bf16 +lora32", {"lora_rank": 32})):
         rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8, **time_engine(big, 8, 256, 512, 152064, **kw)})
@@ -396,17 +397,11 @@ def lora_part(result, rows, save, profile: bool = False) -> None:
     rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": 8,
                  **time_engine(big, 8, 256, 512, 152064)})
     save()
-    max_n = fused.LORA_KERNEL_MAX_N
-    for _ in range(2):
-        for name, kw, n in (("ours-nvfp4 +lora32", {"lora_rank": 32}, max_n),
-                            ("ours-nvfp4 +lora32 separate shrink", {"lora_rank": 32, "fused_shrink": False}, max_n),
-                            ("ours-nvfp4 +lora32 gate/up expand in our kernel", {"lora_rank": 32}, 1 << 30)):
-            fused.LORA_KERNEL_MAX_N = n
-            try:
-                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
-                             **time_engine(big, 8, 256, 512, 152064, **kw)})
-            finally:
-                fused.LORA_KERNEL_MAX_N = max_n
+    for _ in range(3):
+        for name, kw in (("ours-nvfp4 +lora32", {"lora_rank": 32}),
+                         ("ours-nvfp4 +lora32 expand kernels", {"lora_rank": 32, "lora_in_kernel": False})):
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
+                         **time_engine(big, 8, 256, 512, 152064, **kw)})
             save()
     if profile:
         try:

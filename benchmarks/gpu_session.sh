@@ -66,6 +66,10 @@
 #   31                             (prepared in session 13, not run) build, the fused / engine GPU tests, the LoRA
 #                                  rollout bench with the gate/up expand in our kernel as a third arm, then the
 #                                  adapter decode step's profile (where the remaining ~1.1 ms of LoRA goes)
+#   32                             session 14: build, the GPU tests of the LoRA term inside the NVFP4 kernels, LoRA
+#                                  terms per group at M = 8 (probe_small --lora 32: the expand alone against the term
+#                                  in our kernel), the 7B-shape LoRA rollout bench (term in the kernel against expand
+#                                  kernels, interleaved), then the kernel, fused and engine GPU tests in the time left
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -377,6 +381,23 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 575 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --profile --skip-smollm2 \
     --json "$OUT/rollout_7b_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
   stamp 31 "LoRA rollouts and profile done"
+  ;;
+32)
+  # session 14: the LoRA terms inside the NVFP4 kernels (kernel.linear_lora): its GPU tests, LoRA terms per group,
+  # the 7B-shape LoRA rollout, then the kernel / fused / engine GPU tests in the time left
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 32 "kernels built"
+  COLUMNS=200 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
+    > "$OUT/gpu_tests_lora.log" 2>&1; tail -n 25 "$OUT/gpu_tests_lora.log"
+  stamp 32 "GPU tests of the term in the kernel done"
+  timeout 60 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/lora_terms_m8.log"
+  stamp 32 "LoRA terms per group done"
+  lora_rollout 120 32
+  COLUMNS=200 timeout $(( 585 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_kernel.py tests/test_fused_gpu.py tests/test_engine_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 15 "$OUT/gpu_tests.log"
+  stamp 32 "kernel, fused and engine GPU tests done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -10,7 +10,9 @@ With ``--ncu`` it instead runs each of our launches (and cuBLAS's) a few times e
 ``ncu --kernel-name regex:...`` to read their counters (benchmarks/gpu_session.sh part 10).
 With ``--lora R`` it times what a rank-R adapter adds to each fused group (q/k/v: three members, gate/up: two):
 the base launch alone, base + the engine's cuBLAS terms (``x @ A^T`` then ``addmm``), base + the fused LoRA
-kernels (``fused.lora_add`` with the members' segments).
+kernels (``fused.lora_add`` with the members' segments), base + the expand alone (the shrink made beforehand, as
+the fused norm / SiLU·mul kernels make it) and, where the kernel takes it, the term inside the NVFP4 kernel
+(``kernel.linear_lora``, same shrink).
 
     PYTHONPATH=src python benchmarks/probe_small.py [--m 8] [--json out.json] [--ncu | --lora 32]
 """
@@ -142,20 +144,32 @@ def lora_probe(args) -> int:
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         calls = cq * max(1, 240 // cq)
 
+        with torch.no_grad():
+            hs = fused.lora_shrink(x, a)  # as a fused norm / SiLU·mul kernel would have made it
+
         def run(i, lora: str):
+            if lora == "in_kernel":  # the term inside the NVFP4 kernel (session 14), the shrink already made
+                return kernel.linear_lora(x, qws[i], gs, n, k, hs, bs, tuple(segs), out=out)
             y = kernel.linear(x, qws[i], gs, n, k, out=out)
+            if lora == "expand":  # the separate expand kernel, the shrink already made
+                return _lora_add(y, x, terms, kernels=True, shrunk=hs)
             return y if lora == "none" else _lora_add(y, x, terms, kernels=lora == "kernels")
 
         with torch.no_grad():
             check = {v: run(0, v).clone() for v in ("cublas", "kernels")}
             diff = float((check["kernels"].float() - check["cublas"].float()).norm() / check["cublas"].float().norm())
             row = {"layer": layer, "n": n, "k": k, "m": m, "rank": r, "members": len(sizes), "rel_diff": diff}
-            for v in ("none", "cublas", "kernels"):
+            modes = ["none", "cublas", "kernels", "expand"]
+            if run(0, "in_kernel") is not None:  # (None: declined, e.g. the stream-K variants)
+                modes.append("in_kernel")
+            for v in modes:
                 row[f"{v}_us"] = 1e6 * time_graph(lambda i, v=v: run(i, v), cq, calls)
         rows.append(row)
+        inside = (f"{row['in_kernel_us'] - row['none_us']:+6.2f}" if "in_kernel_us" in row else "  n/a ")
         print(f"{layer:8s} n={n:6d} k={k:6d} m={m} rank {r}x{len(sizes)}: base {row['none_us']:6.2f} us  "
               f"+cuBLAS terms {row['cublas_us'] - row['none_us']:+6.2f}  +fused kernels "
-              f"{row['kernels_us'] - row['none_us']:+6.2f}  (diff {diff:.1e})", flush=True)
+              f"{row['kernels_us'] - row['none_us']:+6.2f}  +expand only {row['expand_us'] - row['none_us']:+6.2f}  "
+              f"+term in our kernel {inside}  (diff {diff:.1e})", flush=True)
         del qws
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))

@@ -846,22 +846,42 @@ bool parse_segs(const std::vector<int64_t>& segs, int64_t N, int64_t R, LoraSegs
   return prev == N;
 }
 
+// the shrink kernel alone: h [M, R] (fp32 holding bf16 values) = bf16(x @ a^T); its partials in a scratch tensor
 template <int MT, int U>
-void launch_lora(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, const at::Tensor& bs,
-                 at::Tensor& out, const LoraSegs& segs) {
+void launch_shrink(const at::Tensor& x, const at::Tensor& a, float* hp) {
   const int M = static_cast<int>(x.size(0)), K = static_cast<int>(x.size(1)), R = static_cast<int>(a.size(0));
-  const int N = static_cast<int>(y.size(1));
-  const int dev = x.get_device();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int S = (K + U * kShrinkStep - 1) / (U * kShrinkStep), tiles = (R + kShrinkRows - 1) / kShrinkRows;
-  at::Tensor part = at::empty({(int64_t)S * M * R + (int64_t)M * R}, x.options().dtype(at::kFloat));
-  float* pp = part.data_ptr<float>();
-  float* hp = pp + (size_t)S * M * R;
-  C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<MT, U>, dim3(S, tiles), dim3(kShrinkWarps * 32), 0, stream, dev,
-                                   cptr(x), cptr(a), pp, hp, lora_counters(x), M, K, R, S));
-  C10_CUDA_CHECK(qerl_pdl::launch(lora_expand_kernel<MT>, dim3(blocks_for(N / 2, kExpandThreads / kExpandQ)),
-                                   dim3(kExpandThreads), (size_t)R * MT * sizeof(float), stream, dev,
-                                   static_cast<const float*>(hp), cptr(y), cptr(bs), mptr(out), M, N, R, segs));
+  at::Tensor part = at::empty({(int64_t)S * M * R}, x.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(qerl_pdl::launch(lora_shrink_kernel<MT, U>, dim3(S, tiles), dim3(kShrinkWarps * 32), 0,
+                                   c10::cuda::getCurrentCUDAStream().stream(), x.get_device(), cptr(x), cptr(a),
+                                   part.data_ptr<float>(), hp, lora_counters(x), M, K, R, S));
+}
+
+// by M (8 or 16 rows per kernel) and K (longer K chunks past 8192: fewer partials to gather)
+void launch_shrink_for(const at::Tensor& x, const at::Tensor& a, float* hp) {
+  const bool wide = x.size(1) > 8192;
+  if (x.size(0) <= 8) {
+    if (wide) launch_shrink<8, 4>(x, a, hp);
+    else launch_shrink<8, 2>(x, a, hp);
+  } else {
+    if (wide) launch_shrink<16, 4>(x, a, hp);
+    else launch_shrink<16, 2>(x, a, hp);
+  }
+}
+
+// the expand kernel: out = y + hs @ bs (hs [M, R] fp32, M <= 16)
+void launch_expand(const at::Tensor& hs, const at::Tensor& y, const at::Tensor& bs, at::Tensor& out,
+                   const LoraSegs& sg) {
+  const int M = static_cast<int>(hs.size(0)), R = static_cast<int>(hs.size(1)), N = static_cast<int>(y.size(1));
+  const int MT = M <= 8 ? 8 : 16;
+  auto launch = [&](auto kern) {
+    C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3(blocks_for(N / 2, kExpandThreads / kExpandQ)), dim3(kExpandThreads),
+                                     (size_t)R * MT * sizeof(float), c10::cuda::getCurrentCUDAStream().stream(),
+                                     y.get_device(), hs.data_ptr<float>(), cptr(y), cptr(bs), mptr(out), M, N, R,
+                                     sg));
+  };
+  if (MT == 8) launch(lora_expand_kernel<8>);
+  else launch(lora_expand_kernel<16>);
 }
 
 // out [M, N] = y + bf16(x @ a^T) @ bs for M <= 16 decode rows (see lora_shrink_kernel): x [M, K], a [R, K],
@@ -887,14 +907,30 @@ bool lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& y, con
   LoraSegs sg{};
   if (!parse_segs(segs, N, R, sg)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool wide = K > 8192;  // longer K chunks: fewer partials to gather
-  if (M <= 8) {
-    if (wide) launch_lora<8, 4>(x, a, y, bs, out, sg);
-    else launch_lora<8, 2>(x, a, y, bs, out, sg);
-  } else {
-    if (wide) launch_lora<16, 4>(x, a, y, bs, out, sg);
-    else launch_lora<16, 2>(x, a, y, bs, out, sg);
+  at::Tensor hs = at::empty({M, R}, x.options().dtype(at::kFloat));
+  launch_shrink_for(x, a, hs.data_ptr<float>());
+  launch_expand(hs, y, bs, out, sg);
+  return true;
+}
+
+// hs [M, R] = bf16(x @ a^T) as fp32 (the shrink of lora_add alone, for the NVFP4 kernel's LoRA term): x [M, K],
+// a [R, K] contiguous bf16 as in lora_add, hs contiguous fp32. False (nothing launched) where the kernel does not
+// take the tensors.
+bool lora_shrink(const at::Tensor& x, const at::Tensor& a, at::Tensor& hs) {
+  const at::Tensor* args[] = {&x, &a};
+  for (const at::Tensor* t : args) {
+    if (!t->is_cuda() || t->scalar_type() != at::kBFloat16 || !t->is_contiguous() || t->dim() != 2 ||
+        reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0 || t->get_device() != x.get_device())
+      return false;
   }
+  const int64_t M = x.size(0), K = x.size(1), R = a.size(0);
+  if (!hs.is_cuda() || hs.scalar_type() != at::kFloat || !hs.is_contiguous() || hs.dim() != 2 || hs.size(0) != M ||
+      hs.size(1) != R || hs.get_device() != x.get_device() || a.size(1) != K)
+    return false;
+  if (M < 1 || M > kLoraMaxM || R < 1 || R > kShrinkRows * kShrinkMaxTiles || K % 8 != 0 || K >= (1 << 30))
+    return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  launch_shrink_for(x, a, hs.data_ptr<float>());
   return true;
 }
 
@@ -918,16 +954,7 @@ bool lora_expand(const at::Tensor& hs, const at::Tensor& y, const at::Tensor& bs
   LoraSegs sg{};
   if (!parse_segs(segs, N, R, sg)) return false;
   const c10::cuda::CUDAGuard guard(y.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int MT = M <= 8 ? 8 : 16;
-  auto launch = [&](auto kern) {
-    C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3(blocks_for(N / 2, kExpandThreads / kExpandQ)), dim3(kExpandThreads),
-                                     (size_t)R * MT * sizeof(float), stream, y.get_device(), hs.data_ptr<float>(),
-                                     cptr(y), cptr(bs), mptr(out), static_cast<int>(M), static_cast<int>(N),
-                                     static_cast<int>(R), sg));
-  };
-  if (MT == 8) launch(lora_expand_kernel<8>);
-  else launch(lora_expand_kernel<16>);
+  launch_expand(hs, y, bs, out, sg);
   return true;
 }
 
@@ -1007,6 +1034,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_expand", &qerl_fused::lora_expand,
         "out = y + hs @ bs for decode rows (M <= 16), hs from a fused shrink; false when the kernel does not take them",
         py::arg("hs"), py::arg("y"), py::arg("bs"), py::arg("out"), py::arg("segs") = std::vector<int64_t>());
+  m.def("lora_shrink", &qerl_fused::lora_shrink,
+        "hs = bf16(x @ a^T) as fp32 for decode rows (M <= 16); false when the kernel does not take them",
+        py::arg("x"), py::arg("a"), py::arg("hs"));
   m.def("rope_kv", &qerl_fused::rope_kv, "rotary on q and k of a fused qkv row; k, v into the KV cache");
   m.def("lora_add", &qerl_fused::lora_add,
         "out = y + bf16(x @ a^T) @ bs for decode rows (M <= 16); false when the shapes need the matmul path",

@@ -43,6 +43,7 @@
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 #endif
 
 namespace qerl {
@@ -255,6 +256,78 @@ __device__ __forceinline__ void ordered_slot_sum(const float* ws, int total, int
   }
 }
 
+// A LoRA term inside the small-M kernels (decode steps; session 14): out = x W^T + hs @ bs (+ bias), with hs
+// [M, R] fp32 holding bf16 values (the shrink bf16(x @ a^T), made by the kernel before: add + RMSNorm, SiLU·mul or
+// fused.lora_shrink) and bs [R, N] bf16 (B^T times the scaling; block-diagonal for a fused group: the columns
+// below col_end[i] read only rank rows [rbeg[i], rend[i])). A 16-row block's rank rows are MMAs of their own (bs
+// as the A operand, hs as B, straight from global memory: L2-resident and small), after the K loop (the weight
+// tiles' registers are free then), summed in fp32 and added, scaled by G / 2^62, to the accumulators of the last
+// K split (nvfp4_mma_kernel) or of the segment that ends the row group's K range (nvfp4_mma_v2_kernel) before the
+// split-K sum: base + term is rounded to bf16 once (the separate expand kernel rounds the base first, so the two
+// differ in the last bit at most). The host (linear_lora_out) admits 16-aligned member boundaries and rank ranges
+// only.
+constexpr int kLoraAugSegs = 8;
+constexpr int kLoraAugMaxTG = 2;  // instances for M <= 16 only (decode steps): larger ones would need more registers
+struct LoraAug {
+  const float* h;  // nullptr: no term
+  const __nv_bfloat16* b;
+  int R, nseg;
+  int col_end[kLoraAugSegs], rbeg[kLoraAugSegs], rend[kLoraAugSegs];
+};
+
+template <int TG, int R>
+__device__ __forceinline__ void lora_aug_term(float (&acc)[R][TG][4], const LoraAug& la, const int (&rb)[R], int NT,
+                                              int N, int tok0, int mslice, float scale, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const __nv_bfloat16 zero = __float2bfloat16_rn(0.f);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (rb[r] >= NT) continue;
+    const int n0 = rb[r] * 16;
+    int lo = 0, hi = 0;
+    bool found = false;
+#pragma unroll
+    for (int i = 0; i < kLoraAugSegs; ++i)  // (unrolled: the parameter arrays stay out of local memory)
+      if (!found && i < la.nseg && n0 < la.col_end[i]) {
+        lo = la.rbeg[i];
+        hi = la.rend[i];
+        found = true;
+      }
+    const int row0 = n0 + g, row1 = n0 + g + 8;
+    auto bv = [&](int j, int row) { return row < N ? la.b[(size_t)j * N + row] : zero; };
+    float c[TG][4];
+#pragma unroll
+    for (int q = 0; q < TG; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[q][i] = 0.f;
+    for (int k = lo; k < hi; k += 16) {
+      const int j0 = k + 2 * t, j8 = j0 + 8;
+      uint32_t a[4];
+      a[0] = bf2u(__halves2bfloat162(bv(j0, row0), bv(j0 + 1, row0)));
+      a[1] = bf2u(__halves2bfloat162(bv(j0, row1), bv(j0 + 1, row1)));
+      a[2] = bf2u(__halves2bfloat162(bv(j8, row0), bv(j8 + 1, row0)));
+      a[3] = bf2u(__halves2bfloat162(bv(j8, row1), bv(j8 + 1, row1)));
+#pragma unroll
+      for (int q = 0; q < TG; ++q) {
+        const int m = q * 8 + g;  // this lane's token (B column) of the token group
+        uint32_t b0 = 0u, b1 = 0u;
+        if (m < mslice) {
+          const float* hp = la.h + (size_t)(tok0 + m) * la.R + j0;
+          const float2 v0 = __ldcg(reinterpret_cast<const float2*>(hp));
+          const float2 v8 = __ldcg(reinterpret_cast<const float2*>(hp + 8));
+          b0 = bf2u(__floats2bfloat162_rn(v0.x, v0.y));  // exact: hs holds bf16 values
+          b1 = bf2u(__floats2bfloat162_rn(v8.x, v8.y));
+        }
+        mma_bf16(c[q], a, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < TG; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][q][i] += c[q][i] * scale;
+  }
+}
+
 // TG: token groups of 8 per CTA (M_slice <= 8*TG); R: row blocks (16 rows) per warp; D: K tiles of weight
 // loads in flight per warp; KCH: K tiles of activations staged in shared memory per chunk; NACC: accumulator
 // sets (2 splits the dependent mma chain when R*TG is small).
@@ -262,7 +335,8 @@ template <int TG, int R, int D, int KCH, int NACC, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split, int cl) {
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split, int cl,
+    LoraAug la) {
   qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
@@ -404,6 +478,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     }
     __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
   }
+  // the LoRA term (if any), in the last split
+  if constexpr (TG <= kLoraAugMaxTG) {
+    if (la.h != nullptr && split == S - 1)
+      lora_aug_term<TG, R>(acc[0], la, rb, NT, N, tok0, mslice, __ldg(gscale) * 0x1p-62f, lane);
+  }
 
   const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
 #pragma unroll
@@ -523,7 +602,7 @@ template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup) {
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup, LoraAug la) {
   qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged (M <= MP: one slice)
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements)
@@ -678,6 +757,11 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
         ps[r] += KCH * kRecordBytes;
       }
       __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
+    }
+    // the LoRA term (if any), in the segment that ends the row group's K range (one CTA's)
+    if constexpr (TG <= kLoraAugMaxTG) {
+      if (la.h != nullptr && kt1 == KT)
+        lora_aug_term<TG, R>(acc[0], la, rb, NT, N, 0, mslice, __ldg(gscale) * 0x1p-62f, lane);
     }
 
     const bool whole = (kt0 == 0 && kt1 == KT);
@@ -839,12 +923,12 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
 #define QERL_INSTANCE(TG, R, D, KCH, NACC, MINB)                                                             \
   template __global__ void nvfp4_mma_kernel<TG, R, D, KCH, NACC, MINB>(                                      \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
-      int, int, int, int, int, int, int);
+      int, int, int, int, int, int, int, LoraAug);
 QERL_MMA_CONFIGS(QERL_INSTANCE)
 #define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB, NW)                                                      \
   template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>(                               \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
-      int, int, int, int, int, int);
+      int, int, int, int, int, int, LoraAug);
 QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
@@ -1031,7 +1115,7 @@ void dequantize_out(const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64
 
 template <int TG, int R, int D, int KCH, int NACC, int MINB>
 static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
-                       at::Tensor& out, int M, int N, int K, int NT, int KT) {
+                       at::Tensor& out, int M, int N, int K, int NT, int KT, const LoraAug& la) {
   constexpr int ROWS_BLOCKS = kWarps * R;
   constexpr int MP = 8 * TG;
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
@@ -1115,14 +1199,15 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
                                              reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
                                              qw.data_ptr<uint8_t>(), gs.data_ptr<float>(), bias,
                                              reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws, counters, M, N, K,
-                                             NT, KT, S, tps, cl));
+                                             NT, KT, S, tps, cl, la));
   g_last_split = S * (cl ? -1 : 1);
 }
 
 // opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG
 template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
 static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs,
-                          const __nv_bfloat16* bias, at::Tensor& out, int M, int N, int K, int NT, int KT) {
+                          const __nv_bfloat16* bias, at::Tensor& out, int M, int N, int K, int NT, int KT,
+                          const LoraAug& la) {
   constexpr int ROWS_BLOCKS = NW * R;
   constexpr int MP = 8 * TG;
   QERL_CHECK(M <= MP, "qerl: v2 kernel instance for M <= %d called with M = %d", MP, M);
@@ -1157,15 +1242,50 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(),
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
                                    gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M)));
+                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M), la));
   g_last_split = 0;
 }
 
-// x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous (+ bias [N] of x's dtype, added after the bf16
-// rounding of the product, as `y + bias` would). path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS.
-// Returns the path taken.
-int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
-                   at::Tensor& out, int64_t path, const c10::optional<at::Tensor>& bias) {
+// the small-M kernel linear_out runs for bf16 x of M rows on the mma path: 0 / 1 the two configurations of
+// nvfp4_mma_kernel, 2 / 4 the stream-K kernel with 4 / 8 warps per block (M <= 64; larger M as 0)
+static int resolved_variant(int64_t M, int64_t n, int64_t k) {
+  const int v = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
+  if ((v == 2 || v == 4) && M <= kSliceTokens) return v;
+  return v == 1 ? 1 : 0;
+}
+
+// the mma path for x already contiguous and 16-byte aligned; la: a LoRA term (la.h null: none)
+static void run_mma(const at::Tensor& xc, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bp,
+                    at::Tensor& out, int64_t n, int64_t k, int variant, const LoraAug& la) {
+  const int Mi = (int)xc.size(0), N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
+  TORCH_CHECK(xc.size(0) <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
+  if (variant == 2) {
+    if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else if (Mi <= 32) launch_mma_v2<4, 1, 4, 8, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else launch_mma_v2<8, 1, 2, 4, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+  } else if (variant == 4) {  // v2 with 8 warps per block: the staged activations serve 128 rows
+    if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else if (Mi <= 32) launch_mma_v2<4, 1, 4, 8, 1, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else launch_mma_v2<8, 1, 2, 4, 1, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+  } else if (Mi <= 8) {
+    if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+  } else if (Mi <= 16) {
+    if (variant == 1) launch_mma<2, 2, 4, 8, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else launch_mma<2, 1, 8, 16, 2, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+  } else if (Mi <= 32) {  // variant 1 here: four row blocks per warp (activations staged once per 256 rows)
+    if (variant == 1) launch_mma<4, 4, 2, 4, 1, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else launch_mma<4, 2, 4, 8, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+  } else {  // variant 1 here: two row blocks per warp
+    if (variant == 1) launch_mma<8, 2, 2, 4, 1, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else launch_mma<8, 1, 2, 4, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+  }
+}
+
+static void check_linear_args(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                              const at::Tensor& out, const c10::optional<at::Tensor>& bias) {
   check_packed(qw, gs, n, k);
   TORCH_CHECK(x.is_cuda() && x.get_device() == qw.get_device(), "qerl: x must be on the weight's device");
   QERL_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, %lld], got %s", (long long)k,
@@ -1177,6 +1297,20 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
     TORCH_CHECK(bias->is_cuda() && bias->get_device() == x.get_device() && bias->scalar_type() == x.scalar_type() &&
                     bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
                 "qerl: bias must be a contiguous [n] tensor of x's dtype on x's device");
+}
+
+static at::Tensor aligned_contiguous(const at::Tensor& x) {
+  at::Tensor xc = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
+  return xc;
+}
+
+// x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous (+ bias [N] of x's dtype, added after the bf16
+// rounding of the product, as `y + bias` would). path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS.
+// Returns the path taken.
+int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                   at::Tensor& out, int64_t path, const c10::optional<at::Tensor>& bias) {
+  check_linear_args(x, qw, gs, n, k, out, bias);
   c10::cuda::CUDAGuard guard(qw.device());
   const int64_t M = x.size(0);
   if (M == 0) return 0;
@@ -1189,37 +1323,58 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
     return 1;
   }
   const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
-  at::Tensor xc = x.contiguous();
-  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
-  TORCH_CHECK(M <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
-  const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
-  // variant 0 (default) / 1 (alternative) per M range; variants 2 / 4: the stream-K kernel with 4 / 8 warps per
-  // block for M <= 64 (larger M as variant 0); variant 3 (auto): one of them per shape (auto_variant)
-  const int variant = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
-  if (variant == 2 && M <= kSliceTokens) {
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else if (M <= 16) launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else if (M <= 32) launch_mma_v2<4, 1, 4, 8, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<8, 1, 2, 4, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (variant == 4 && M <= kSliceTokens) {  // v2 with 8 warps per block: the staged activations serve 128 rows
-    if (M <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else if (M <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else if (M <= 32) launch_mma_v2<4, 1, 4, 8, 1, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma_v2<8, 1, 2, 4, 1, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (M <= 8) {
-    if (variant == 1) launch_mma<1, 1, 4, 8, 2, 7>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma<1, 1, 6, 12, 2, 6>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (M <= 16) {
-    if (variant == 1) launch_mma<2, 2, 4, 8, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma<2, 1, 8, 16, 2, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else if (M <= 32) {  // variant 1 here: four row blocks per warp (activations staged once per 256 rows)
-    if (variant == 1) launch_mma<4, 4, 2, 4, 1, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma<4, 2, 4, 8, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  } else {  // variant 1 here: two row blocks per warp
-    if (variant == 1) launch_mma<8, 2, 2, 4, 1, 2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-    else launch_mma<8, 1, 2, 4, 1, 3>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-  }
+  run_mma(aligned_contiguous(x), qw, gs, bp, out, n, k, resolved_variant(M, n, k), LoraAug{});
   return 0;
+}
+
+// out = x @ W^T (+ bias) + hs @ bs in one launch of the small-M kernel (see LoraAug): x [M, k] bf16, hs [M, R] fp32
+// (bf16 values), bs [R, n] bf16, both contiguous; segs: flat (col_end, row_begin, row_end) triples as in
+// qerl_fused's lora_add (empty: every rank row for every column). Returns false, launching nothing, where no
+// small-M kernel would run the product (the dequantize path) or the term's shapes are outside what it takes (more than 16 rows, members not 16-row aligned, rank ranges not multiples of 16, more than 8
+// members): the caller then adds the term itself.
+bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                     at::Tensor& out, const c10::optional<at::Tensor>& bias, const at::Tensor& hs, const at::Tensor& bs,
+                     const std::vector<int64_t>& segs) {
+  check_linear_args(x, qw, gs, n, k, out, bias);
+  const int64_t M = x.size(0);
+  if (M < 1 || M > 8 * kLoraAugMaxTG || x.scalar_type() != at::kBFloat16) return false;
+  if (!hs.is_cuda() || hs.scalar_type() != at::kFloat || !hs.is_contiguous() || hs.dim() != 2 || hs.size(0) != M ||
+      hs.get_device() != x.get_device() || reinterpret_cast<uintptr_t>(hs.data_ptr()) % 8 != 0)
+    return false;
+  const int64_t R = hs.size(1);
+  if (!bs.is_cuda() || bs.scalar_type() != at::kBFloat16 || !bs.is_contiguous() || bs.dim() != 2 || bs.size(0) != R ||
+      bs.size(1) != n || bs.get_device() != x.get_device() || R < 1 || R % 2 != 0)
+    return false;
+  LoraAug la{};
+  la.R = (int)R;
+  if (segs.empty()) {
+    if (R % 16 != 0) return false;
+    la.nseg = 1;
+    la.col_end[0] = (int)n;
+    la.rend[0] = (int)R;
+  } else {
+    if (segs.size() % 3 != 0 || segs.size() / 3 > (size_t)kLoraAugSegs) return false;
+    la.nseg = (int)(segs.size() / 3);
+    int64_t prev = 0;
+    for (int i = 0; i < la.nseg; ++i) {
+      const int64_t ce = segs[3 * i], rb = segs[3 * i + 1], re = segs[3 * i + 2];
+      // a 16-row block lies in one member (ce % 16; the last may end at n), whole k16 steps of its rank rows
+      const bool end_ok = ce % 16 == 0 || (i == la.nseg - 1 && ce == n);
+      if (ce <= prev || !end_ok || rb < 0 || rb > re || re > R || (re - rb) % 16 != 0 || rb % 2 != 0) return false;
+      la.col_end[i] = (int)ce;
+      la.rbeg[i] = (int)rb;
+      la.rend[i] = (int)re;
+      prev = ce;
+    }
+    if (prev != n) return false;
+  }
+  c10::cuda::CUDAGuard guard(qw.device());
+  if (choose_path(M, n, k) != 0) return false;
+  la.h = hs.data_ptr<float>();
+  la.b = reinterpret_cast<const __nv_bfloat16*>(bs.data_ptr());
+  const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
+  run_mma(aligned_contiguous(x), qw, gs, bp, out, n, k, resolved_variant(M, n, k), la);
+  return true;
 }
 
 // g [M, N] -> out [M, K] = g @ W (dequantize + cuBLAS)
@@ -1265,6 +1420,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_out", &qerl::linear_out,
         "x @ W^T (+ bias) into out; returns the path (0 mma kernel, 1 dequant+cuBLAS)", py::arg("x"), py::arg("qw"),
         py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("path"), py::arg("bias") = py::none());
+  m.def("linear_lora_out", &qerl::linear_lora_out,
+        "x @ W^T (+ bias) + hs @ bs into out in one small-M kernel launch; false (nothing launched) where that kernel "
+        "does not run the product or take the term",
+        py::arg("x"), py::arg("qw"), py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("bias"),
+        py::arg("hs"), py::arg("bs"), py::arg("segs") = std::vector<int64_t>());
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; },
         "programmatic dependent launch of the small-M kernels (and of qerl_fused's) on or off");
   m.def("get_pdl", [] { return qerl_pdl::enabled_flag() != 0; });

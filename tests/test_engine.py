@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qerl_cli import artifact, names, pack, packed_model, quantize, verify
+from qerl_cli import artifact, layout, names, pack, packed_model, quantize, verify
 from qerl_cli.engine import Engine, LoRA, SamplingConfig
 from qerl_cli.errors import QerlError
 
@@ -585,6 +585,80 @@ def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
     assert set(ranks) == {10}  # q and v only: k has no rows in the stacked A, gate/up no shrink at all
     assert torch.equal(a.completion_ids, b.completion_ids)
     torch.testing.assert_close(b.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
+    """The engine's routing of decode steps' LoRA terms into the NVFP4 kernel (``kernel.linear_lora``, CUDA-only)
+    with the kernels replaced by their torch definitions (fp32, CPU). Where ``takes_lora`` says yes (here the
+    q/k/v and o shapes only, so that both routes run) the base and term come from one ``linear_lora`` call: q/k/v
+    with the norm's shrink, o with ``fused.lora_shrink``'s; gate/up and down keep base + expand. Tokens and
+    log-probs equal the plain path's with the same adapter; a declined call (None) falls back with the shrink it
+    made; ``lora_in_kernel`` off calls nothing."""
+    from qerl_cli import engine as E
+
+    calls = {"in_kernel": [], "shrink": 0}
+    hidden = model.config.hidden_size
+
+    def takes_lora(m, n, k):
+        return k == hidden and n != 2 * model.config.intermediate_size  # q/k/v, o
+
+    def linear_lora(x, qweight, gs, n, k, hs, bs, segs=(), *, bias=None, out=None):
+        calls["in_kernel"].append(n)
+        w = layout.dequantize(qweight, gs, n, k, torch.float32)
+        y = x @ w.t() + hs @ bs
+        return y if bias is None else y + bias
+
+    def lora_shrink(x, a):
+        calls["shrink"] += 1
+        return x @ a.t()
+
+    def add_norm_shrink(h, d, w, eps, a):
+        s, x = _add_norm_torch(h, d, w, eps)
+        return s, x, x.reshape(-1, x.shape[-1]) @ a.t()
+
+    def silu_mul_shrink(g, u, a):
+        out = F.silu(g) * u
+        return out, out.reshape(-1, out.shape[-1]) @ a.t()
+
+    monkeypatch.setattr(E._kernel, "takes_lora", takes_lora)
+    monkeypatch.setattr(E._kernel, "linear_lora", linear_lora)
+    monkeypatch.setattr(E._fk, "lora_shrink", lora_shrink)
+    monkeypatch.setattr(E._fk, "add_norm", _add_norm_torch)
+    monkeypatch.setattr(E._fk, "add_norm_shrink", add_norm_shrink)
+    monkeypatch.setattr(E._fk, "silu_mul_shrink", silu_mul_shrink)
+    monkeypatch.setattr(E._fk, "rope_kv", _rope_kv_torch)
+    monkeypatch.setattr(E._fk, "silu_mul", lambda g, u: F.silu(g) * u)
+    g = torch.Generator().manual_seed(4)
+    factors = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in E.PROJECTIONS:
+            lin = layer.get_submodule(name)
+            factors[f"model.layers.{i}.{name}"] = (torch.randn(4, lin.in_features, generator=g) * 0.1,
+                                                   torch.randn(lin.out_features, 4, generator=g) * 0.1)
+    plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
+    monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
+    kern._kernels = True  # (CUDA-only otherwise; every kernel it reaches is a fake here)
+    for eng in (plain, kern):
+        eng.set_adapter(LoRA(factors, scaling=2.0))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    a = plain.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    b = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    n_layers = len(model.model.layers)
+    qkv = model.model.layers[0].self_attn
+    widths = {qkv.q_proj.out_features + qkv.k_proj.out_features + qkv.v_proj.out_features, hidden}
+    assert set(calls["in_kernel"]) == widths and len(calls["in_kernel"]) >= 2 * n_layers, calls
+    assert calls["shrink"] == len(calls["in_kernel"]) // 2  # o's; q/k/v's came from the norm
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
+    # declined (None): the same policy through base + expand, with the shrink already made
+    monkeypatch.setattr(E._kernel, "linear_lora", lambda *args, **kw: calls["in_kernel"].append(0))
+    c = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    assert 0 in calls["in_kernel"] and torch.equal(c.completion_ids, a.completion_ids)
+    torch.testing.assert_close(c.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
+    before = (len(calls["in_kernel"]), calls["shrink"])
+    kern.lora_in_kernel = False
+    d = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    assert (len(calls["in_kernel"]), calls["shrink"]) == before and torch.equal(d.completion_ids, a.completion_ids)
 
 
 def test_fused_kernels_failed_build_warns_and_falls_back(monkeypatch):

@@ -200,6 +200,19 @@ def test_available_reports_reason_without_cuda():
     assert kernel.build_error()
 
 
+def test_linear_lora_declines_on_cpu():
+    """The LoRA term inside the kernel is a CUDA-only fast path: on CPU ``takes_lora`` says no and
+    ``linear_lora`` returns None, computing nothing (the engine then adds the term itself)."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    qw, gs = make_packed(32, 64)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    hs, bs = torch.randn(4, 16).to(torch.bfloat16).float(), torch.randn(16, 32).to(torch.bfloat16)
+    assert not kernel.takes_lora(4, 32, 64)
+    with torch.no_grad():
+        assert kernel.linear_lora(x, qw, gs, 32, 64, hs, bs) is None
+
+
 # ------------------------------------------------------------------------------------------ GPU only
 
 SMOL = [(576, 576), (1536, 576), (576, 1536), (192, 576), (960, 576)]

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from . import fused as _fk
+from . import kernel as _kernel
 from .errors import QerlError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -478,6 +479,11 @@ class Engine:
         # batch 8, rank 32: 1,800 / 1,803 against 1,727 / 1,718 tokens/s); QERL_ENGINE_FUSED_SHRINK=0 (or False)
         # launches it on its own
         self.fused_shrink = os.environ.get("QERL_ENGINE_FUSED_SHRINK", "1") != "0"
+        # with those, the term's expand rides in the NVFP4 product itself (kernel.linear_lora: decode steps of at
+        # most 16 rows on the small-M kernels; the shrink comes from the fused kernel that made x, else
+        # fused.lora_shrink): one launch fewer per projection, and the gate/up term no longer a cuBLAS addmm.
+        # QERL_ENGINE_LORA_IN_KERNEL=0 (or False) keeps the separate expand kernels
+        self.lora_in_kernel = os.environ.get("QERL_ENGINE_LORA_IN_KERNEL", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
         # decode steps on CUDA at temperature > 0 without top-k / top-p draw their tokens in one fused kernel
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
@@ -545,8 +551,13 @@ class Engine:
         """``module(x)`` with the adapter's term (``shrunk``: its shrink already made, see ``_shrink_terms``)."""
         snap = self._lora_snap.get(id(module)) if self._lora_snap is not None else None
         if snap is not None:  # a no-grad call: the base, then the batched LoRA term (see _lora_terms)
-            y = _base_layer(module)(x)
-            return y if snap is _NO_LORA else _lora_add(y, x, snap, self._kernels and self.lora_kernels, shrunk)
+            base = _base_layer(module)
+            if snap is _NO_LORA:
+                return base(x)
+            y, shrunk = self._lora_in_kernel(base, x, snap, shrunk)
+            if y is not None:
+                return y
+            return _lora_add(base(x), x, snap, self._kernels and self.lora_kernels, shrunk)
         y = module(x)
         if self.lora is not None:
             f = self.lora.factors.get(name)
@@ -555,15 +566,43 @@ class Engine:
                 y = y + (x @ a.t()) @ b.t() * self.lora.scaling
         return y
 
+    def _lora_in_kernel(self, base, x: torch.Tensor, terms: tuple, shrunk: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(base(x) + term, shrunk)`` from one NVFP4 kernel launch with the batched LoRA ``terms`` inside
+        (``kernel.linear_lora``) for no-grad bf16 CUDA decode steps of a packed base; ``(None, shrunk)`` where it
+        does not apply — the shrink, if made here (``fused.lora_shrink``), is handed back so the caller's expand
+        uses it."""
+        from .packed_model import PackedLinear
+
+        a, bs, segs = terms
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        # (bf16 CUDA tensors are the kernels' own checks: each declines anything else)
+        if not (self.lora_in_kernel and self._kernels and self.lora_kernels and isinstance(base, PackedLinear)
+                and x.dtype == a.dtype == bs.dtype and 0 < rows <= _kernel.LORA_MAX_ROWS
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+                and _kernel.takes_lora(rows, base.out_features, base.in_features)):
+            return None, shrunk
+        x2 = x.reshape(rows, x.shape[-1]).contiguous()
+        if shrunk is None:
+            shrunk = _fk.lora_shrink(x2, a)
+            if shrunk is None:
+                return None, None
+        y = _kernel.linear_lora(x2, base.qweight, base.global_scale, base.out_features, base.in_features, shrunk,
+                                bs, segs, bias=base.bias)
+        return (None if y is None else y.view(*x.shape[:-1], base.out_features)), shrunk
+
     def _fused_out(self, f: _Fused, x: torch.Tensor, shrunk: torch.Tensor | None = None) -> torch.Tensor:
         """The fused group's output ``[..., sum(sizes)]``, each member's LoRA added to its slice (``shrunk``:
         the batched terms' shrink already made, see ``_shrink_terms``)."""
-        y = f.base(x)
         snap = self._lora_snap.get(id(f)) if self._lora_snap is not None else None
+        if snap is not None and snap is not _NO_LORA:  # one batched pair for the whole group (see _lora_terms)
+            y, shrunk = self._lora_in_kernel(f.base, x, snap, shrunk)
+            if y is not None:
+                return y
+            return _lora_add(f.base(x), x, snap, self._kernels and self.lora_kernels, shrunk)
+        y = f.base(x)
         if snap is _NO_LORA:
             return y
-        if snap is not None:  # one batched pair for the whole group (see _lora_terms)
-            return _lora_add(y, x, snap, self._kernels and self.lora_kernels, shrunk)
         deltas: list[torch.Tensor | None] = []
         for m, n in zip(f.modules, f.names):
             d = _peft_delta(m, x)

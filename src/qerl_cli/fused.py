@@ -14,7 +14,8 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
 * ``add_norm_shrink(h, d, w, eps, a)`` and ``silu_mul_shrink(g, u, a)``: ``add_norm`` / ``silu_mul`` that also
   return the LoRA shrink ``hs = bf16(x @ a^T)`` (fp32 holding bf16 values) of the output ``x`` they make, for the
   projections that read it: no separate shrink launch; ``lora_expand(y, hs, bs)`` -> ``y + hs @ bs`` is then the
-  rest of ``lora_add`` (decode steps of at most 16 rows);
+  rest of ``lora_add`` (decode steps of at most 16 rows), and ``lora_shrink(x, a)`` its first kernel alone (for
+  ``kernel.linear_lora``, which adds ``hs @ bs`` inside the NVFP4 product);
 * ``sample_step(...)``: one decode step's draw at temperature T without truncation (the Gumbel-max trick on
   Philox4x32-10 noise keyed by seed, step and row: an exact draw from the tempered softmax) with its log-prob and
   the step's bookkeeping (finished rows, eos, pad, mask, the log-prob columns), in one kernel.
@@ -37,7 +38,7 @@ import torch
 from . import kernel
 
 __all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "lora_add", "add_norm_shrink",
-           "silu_mul_shrink", "lora_expand", "sample_step", "LORA_MAX_ROWS"]
+           "silu_mul_shrink", "lora_expand", "lora_shrink", "sample_step", "LORA_MAX_ROWS"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
 LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
@@ -149,6 +150,16 @@ def lora_expand(y: torch.Tensor, hs: torch.Tensor, bs: torch.Tensor, segs: tuple
         raise ValueError(f"lora_expand: shapes disagree: hs {tuple(hs.shape)}, y {tuple(y.shape)}, bs {tuple(bs.shape)}")
     out = torch.empty_like(y)
     return out if _load().lora_expand(hs, y, bs, out, list(segs)) else None
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
+    """``hs [M, R] = bf16(x @ a^T)`` as fp32 (the first kernel of ``lora_add`` alone) for bf16 ``x [M, K]``,
+    ``a [R, K]`` (contiguous, ``M <= LORA_MAX_ROWS``): the input of ``kernel.linear_lora``'s term where no fused
+    kernel made it; None (nothing computed) where the kernel does not take the tensors."""
+    if not (x.dim() == a.dim() == 2 and a.shape[1] == x.shape[1]):
+        raise ValueError(f"lora_shrink: shapes disagree: x {tuple(x.shape)}, a {tuple(a.shape)}")
+    hs = torch.empty(x.shape[0], a.shape[0], dtype=torch.float32, device=x.device)
+    return hs if _load().lora_shrink(x, a, hs) else None
 
 
 def sample_step(logits: torch.Tensor, temperature: float, seed: int, step: int, finished: torch.Tensor,

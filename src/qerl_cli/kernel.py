@@ -66,6 +66,7 @@ BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
 
 VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4}
+LORA_MAX_ROWS = 16  # linear_lora's most rows (kLoraAugMaxTG token groups of 8 in csrc/nvfp4_kernel.cu)
 
 _DEFAULT_ARCH_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -437,6 +438,51 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n
     if out is None:
         return torch.ops.qerl.linear(x, qweight, global_scale, int(n), int(k), bias)
     torch.ops.qerl.linear_out(x, qweight, global_scale, int(n), int(k), out, bias)
+    return out
+
+
+def takes_lora(m: int, n: int, k: int) -> bool:
+    """Whether :func:`linear_lora` runs bf16 ``x`` of ``m`` rows against an ``[n, k]`` weight on this process's
+    settings (at most ``LORA_MAX_ROWS`` rows on a small-M kernel, not the dequantize path); False without the
+    extension. The term's own shapes are checked by :func:`linear_lora` itself."""
+    ext = _load() if torch.cuda.is_available() else None
+    if ext is None or not 1 <= m <= LORA_MAX_ROWS:
+        return False
+    return ext.choose_path(int(m), int(n), int(k)) == 0
+
+
+def linear_lora(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+                hs: torch.Tensor, bs: torch.Tensor, segs: tuple[int, ...] = (), *,
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ W^T (+ bias) + hs @ bs`` for bf16 CUDA ``x [M, k]`` in one launch of the small-M kernel: the LoRA
+    term of a decode step inside the NVFP4 product (no separate expand kernel). ``hs [M, R]``: fp32 holding bf16
+    values (the shrink ``bf16(x @ A^T)``: ``fused.add_norm_shrink``, ``fused.silu_mul_shrink``,
+    ``fused.lora_shrink``); ``bs [R, n]`` bf16 (``B^T`` times the scaling, block-diagonal for a fused group with
+    ``segs`` as in ``fused.lora_add``). Base and term are summed in fp32 and rounded to bf16 once (the separate
+    expand rounds the base first: at most one bf16 unit apart). No autograd (no-grad decode only). ``out``: a
+    contiguous ``[M, n]`` bf16 tensor to write (else a new one).
+
+    Every small-M kernel takes the term (``nvfp4_mma_kernel`` into its last K split's partial, the stream-K
+    ``v2``/``v2w8`` into the partial of the CTA that ends a row group's K range). None, with nothing computed,
+    where no small-M kernel would run the product (CPU, no extension, the dequantize + cuBLAS path, more than
+    ``LORA_MAX_ROWS`` rows) or the term is outside what it takes (members not 16-row aligned, rank ranges not
+    multiples of 16, more than 8 members): the caller adds the term itself."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16) or torch.is_grad_enabled():
+        return None
+    ext = _load()
+    if ext is None:
+        return None
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(x, k, "x", qweight)
+    _check_bias(bias, x, n)
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if not ext.linear_lora_out(x, qweight.contiguous(), _gs(global_scale), int(n), int(k), out,
+                               None if bias is None else bias.contiguous(), hs, bs, [int(v) for v in segs]):
+        return None
+    _set_backend(BACKEND_KERNEL)
     return out
 
 
