@@ -70,6 +70,8 @@
 #                                  terms per group at M = 8 (probe_small --lora 32: the expand alone against the term
 #                                  in our kernel), the 7B-shape LoRA rollout bench (term in the kernel against expand
 #                                  kernels, interleaved), then the kernel, fused and engine GPU tests in the time left
+#   33                             session 14: part 32 without the kernel / fused / engine GPU tests (after the L2
+#                                  prefetch of the term's bs slices)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -398,6 +400,18 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     tests/test_kernel.py tests/test_fused_gpu.py tests/test_engine_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -n 15 "$OUT/gpu_tests.log"
   stamp 32 "kernel, fused and engine GPU tests done"
+  ;;
+33)
+  # session 14, second version: part 32 with the term's bs slices prefetched into L2 in the PDL prologue, without
+  # the kernel / fused / engine GPU tests (the device time left)
+  build; stamp 33 "kernels built"
+  COLUMNS=200 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
+    > "$OUT/gpu_tests_lora.log" 2>&1; tail -n 25 "$OUT/gpu_tests_lora.log"
+  stamp 33 "GPU tests of the term in the kernel done"
+  timeout 60 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/lora_terms_m8.log"
+  stamp 33 "LoRA terms per group done"
+  lora_rollout 120 33
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -275,6 +275,29 @@ struct LoraAug {
   int col_end[kLoraAugSegs], rbeg[kLoraAugSegs], rend[kLoraAugSegs];
 };
 
+// the rank rows [lo, hi) of bs that output row n0 (and its 16-row block) reads
+__device__ __forceinline__ void lora_aug_rows(const LoraAug& la, int n0, int& lo, int& hi) {
+  lo = hi = 0;
+  bool found = false;
+#pragma unroll
+  for (int i = 0; i < kLoraAugSegs; ++i)  // (unrolled: the parameter arrays stay out of local memory)
+    if (!found && i < la.nseg && n0 < la.col_end[i]) {
+      lo = la.rbeg[i];
+      hi = la.rend[i];
+      found = true;
+    }
+}
+
+// L2 prefetch of the bs slice a 16-row block's term reads (one line per rank row), spread over the warp's lanes:
+// issued in the PDL prologue, as bs is read after the K loop and otherwise comes from DRAM then (a prefetch is
+// correct whatever a kernel before writes)
+__device__ __forceinline__ void lora_aug_prefetch(const LoraAug& la, int n0, int N, int lane) {
+  int lo, hi;
+  lora_aug_rows(la, n0, lo, hi);
+  for (int j = lo + lane; j < hi; j += 32)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(la.b + (size_t)j * N + n0));
+}
+
 template <int TG, int R>
 __device__ __forceinline__ void lora_aug_term(float (&acc)[R][TG][4], const LoraAug& la, const int (&rb)[R], int NT,
                                               int N, int tok0, int mslice, float scale, int lane) {
@@ -284,15 +307,8 @@ __device__ __forceinline__ void lora_aug_term(float (&acc)[R][TG][4], const Lora
   for (int r = 0; r < R; ++r) {
     if (rb[r] >= NT) continue;
     const int n0 = rb[r] * 16;
-    int lo = 0, hi = 0;
-    bool found = false;
-#pragma unroll
-    for (int i = 0; i < kLoraAugSegs; ++i)  // (unrolled: the parameter arrays stay out of local memory)
-      if (!found && i < la.nseg && n0 < la.col_end[i]) {
-        lo = la.rbeg[i];
-        hi = la.rend[i];
-        found = true;
-      }
+    int lo, hi;
+    lora_aug_rows(la, n0, lo, hi);
     const int row0 = n0 + g, row1 = n0 + g + 8;
     auto bv = [&](int j, int row) { return row < N ? la.b[(size_t)j * N + row] : zero; };
     float c[TG][4];
@@ -378,6 +394,13 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
 #pragma unroll
     for (int r = 0; r < R; ++r)
       if (kt0 + d < kt1) load_tile(wr[d][r], rec[r] + (size_t)(kt0 + d) * kRecordBytes, lane);
+  if constexpr (TG <= kLoraAugMaxTG) {
+    if (la.h != nullptr && split == S - 1) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (rb[r] < NT) lora_aug_prefetch(la, rb[r] * 16, N, lane);
+    }
+  }
   qerl_pdl::wait();
 
   const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
@@ -627,6 +650,17 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     for (int r = 0; r < R; ++r) {
       const int rbr = (rg0 * NW + warp) * R + r;
       if (rbr < NT) prefetch_tiles(qw + ((size_t)rbr * KT + kta) * kRecordBytes, ktb - kta, lane);
+    }
+  }
+  // the LoRA term's bs slices of the row groups whose K range ends in this CTA's range (they add the term)
+  if constexpr (TG <= kLoraAugMaxTG) {
+    if (la.h != nullptr && u0 < u1) {
+      for (int rg = (int)(u0 / KT); (int64_t)rg * KT + KT - 1 < u1; ++rg)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int rbr = (rg * NW + warp) * R + r;
+          if (rbr < NT) lora_aug_prefetch(la, rbr * 16, N, lane);
+        }
     }
   }
   // (the wait comes after the first segment's register loads of the weight, in the loop below)
