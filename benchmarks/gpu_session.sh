@@ -103,6 +103,19 @@ lora_rollout() {
   stamp "$2" "7B LoRA rollout bench done"
 }
 
+# session 14: the GPU tests of the LoRA term inside the NVFP4 kernels, its cost per group at M = 8 against the
+# expand kernels (probe_small --lora 32), the 7B-shape LoRA rollout (term in the kernel against expand kernels,
+# interleaved); $1: the part, for the stamps
+lora_term_checks() {
+  COLUMNS=200 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
+    > "$OUT/gpu_tests_lora.log" 2>&1; tail -n 25 "$OUT/gpu_tests_lora.log"
+  stamp "$1" "GPU tests of the term in the kernel done"
+  timeout 60 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/lora_terms_m8.log"
+  stamp "$1" "LoRA terms per group done"
+  lora_rollout 120 "$1"
+}
+
 case "${1:?part 1 to 23 (see above)}" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -385,33 +398,21 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   stamp 31 "LoRA rollouts and profile done"
   ;;
 32)
-  # session 14: the LoRA terms inside the NVFP4 kernels (kernel.linear_lora): its GPU tests, LoRA terms per group,
-  # the 7B-shape LoRA rollout, then the kernel / fused / engine GPU tests in the time left
+  # session 14: the LoRA terms inside the NVFP4 kernels (kernel.linear_lora), then the kernel / fused / engine GPU
+  # tests in the time left
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 32 "kernels built"
-  COLUMNS=200 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
-    > "$OUT/gpu_tests_lora.log" 2>&1; tail -n 25 "$OUT/gpu_tests_lora.log"
-  stamp 32 "GPU tests of the term in the kernel done"
-  timeout 60 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 | grep -v Warning \
-    | tee "$OUT/lora_terms_m8.log"
-  stamp 32 "LoRA terms per group done"
-  lora_rollout 120 32
+  lora_term_checks 32
   COLUMNS=200 timeout $(( 585 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
     tests/test_kernel.py tests/test_fused_gpu.py tests/test_engine_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -n 15 "$OUT/gpu_tests.log"
   stamp 32 "kernel, fused and engine GPU tests done"
   ;;
 33)
-  # session 14, second version: part 32 with the term's bs slices prefetched into L2 in the PDL prologue, without
-  # the kernel / fused / engine GPU tests (the device time left)
+  # session 14, second version (the term's B slices prefetched into L2 in the PDL prologue): part 32 without the
+  # kernel / fused / engine GPU tests (the device time left)
   build; stamp 33 "kernels built"
-  COLUMNS=200 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
-    > "$OUT/gpu_tests_lora.log" 2>&1; tail -n 25 "$OUT/gpu_tests_lora.log"
-  stamp 33 "GPU tests of the term in the kernel done"
-  timeout 60 python3 benchmarks/probe_small.py --m 8 --lora 32 --json "$OUT/lora_terms_m8.json" 2>&1 | grep -v Warning \
-    | tee "$OUT/lora_terms_m8.log"
-  stamp 33 "LoRA terms per group done"
-  lora_rollout 120 33
+  lora_term_checks 33
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -521,6 +521,42 @@ def test_fused_kernel_path_plumbing_on_cpu(model, monkeypatch):
     torch.testing.assert_close(tf_b, tf_a, rtol=1e-5, atol=1e-5)
 
 
+def _add_norm_shrink_torch(h, d, w, eps, a):
+    """``fused.add_norm_shrink``'s torch definition (fp32 on CPU: the shrink unrounded)."""
+    s, x = _add_norm_torch(h, d, w, eps)
+    return s, x, x.reshape(-1, x.shape[-1]) @ a.t()
+
+
+def _silu_mul_shrink_torch(g, u, a):
+    """``fused.silu_mul_shrink``'s torch definition."""
+    out = F.silu(g) * u
+    return out, out.reshape(-1, out.shape[-1]) @ a.t()
+
+
+def _fused_as_torch(monkeypatch, E, **replace) -> None:
+    """The engine's fused kernels (module ``E._fk``) replaced by their torch definitions; ``replace``: other
+    stand-ins by name (counting wrappers)."""
+    fakes = {"add_norm": _add_norm_torch, "add_norm_shrink": _add_norm_shrink_torch,
+             "silu_mul_shrink": _silu_mul_shrink_torch, "rope_kv": _rope_kv_torch,
+             "silu_mul": lambda g, u: F.silu(g) * u}
+    for name, fn in {**fakes, **replace}.items():
+        monkeypatch.setattr(E._fk, name, fn)
+
+
+def _cpu_factors(model, rank: int, seed: int) -> dict:
+    """Rank-``rank`` LoRA factors on every projection of ``model`` (fp32, CPU)."""
+    from qerl_cli import engine as E
+
+    g = torch.Generator().manual_seed(seed)
+    factors = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in E.PROJECTIONS:
+            lin = layer.get_submodule(name)
+            factors[f"model.layers.{i}.{name}"] = (torch.randn(rank, lin.in_features, generator=g) * 0.1,
+                                                   torch.randn(lin.out_features, rank, generator=g) * 0.1)
+    return factors
+
+
 def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
     """The fused-kernel path with an adapter, the kernels replaced by their torch definitions (fp32, CPU): the
     q/k/v and gate/up shrinks made by the norm, the down shrink by SiLU·mul, the expands after the base. Each fake
@@ -535,26 +571,14 @@ def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
     def add_norm_shrink(h, d, w, eps, a):
         calls["norm"] += 1
         ranks.append(a.shape[0])
-        s, x = _add_norm_torch(h, d, w, eps)
-        return s, x, x.reshape(-1, x.shape[-1]) @ a.t()
+        return _add_norm_shrink_torch(h, d, w, eps, a)
 
     def silu_mul_shrink(g, u, a):
         calls["silu"] += 1
-        out = F.silu(g) * u
-        return out, out.reshape(-1, out.shape[-1]) @ a.t()
+        return _silu_mul_shrink_torch(g, u, a)
 
-    monkeypatch.setattr(E._fk, "add_norm", _add_norm_torch)
-    monkeypatch.setattr(E._fk, "add_norm_shrink", add_norm_shrink)
-    monkeypatch.setattr(E._fk, "silu_mul_shrink", silu_mul_shrink)
-    monkeypatch.setattr(E._fk, "rope_kv", _rope_kv_torch)
-    monkeypatch.setattr(E._fk, "silu_mul", lambda g, u: F.silu(g) * u)
-    g = torch.Generator().manual_seed(3)
-    factors = {}
-    for i, layer in enumerate(model.model.layers):
-        for name in E.PROJECTIONS:
-            lin = layer.get_submodule(name)
-            factors[f"model.layers.{i}.{name}"] = (torch.randn(5, lin.in_features, generator=g) * 0.1,
-                                                   torch.randn(lin.out_features, 5, generator=g) * 0.1)
+    _fused_as_torch(monkeypatch, E, add_norm_shrink=add_norm_shrink, silu_mul_shrink=silu_mul_shrink)
+    factors = _cpu_factors(model, 5, 3)
     plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
     monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
     for eng in (plain, kern):
@@ -612,29 +636,10 @@ def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
         calls["shrink"] += 1
         return x @ a.t()
 
-    def add_norm_shrink(h, d, w, eps, a):
-        s, x = _add_norm_torch(h, d, w, eps)
-        return s, x, x.reshape(-1, x.shape[-1]) @ a.t()
-
-    def silu_mul_shrink(g, u, a):
-        out = F.silu(g) * u
-        return out, out.reshape(-1, out.shape[-1]) @ a.t()
-
     monkeypatch.setattr(E._kernel, "takes_lora", takes_lora)
     monkeypatch.setattr(E._kernel, "linear_lora", linear_lora)
-    monkeypatch.setattr(E._fk, "lora_shrink", lora_shrink)
-    monkeypatch.setattr(E._fk, "add_norm", _add_norm_torch)
-    monkeypatch.setattr(E._fk, "add_norm_shrink", add_norm_shrink)
-    monkeypatch.setattr(E._fk, "silu_mul_shrink", silu_mul_shrink)
-    monkeypatch.setattr(E._fk, "rope_kv", _rope_kv_torch)
-    monkeypatch.setattr(E._fk, "silu_mul", lambda g, u: F.silu(g) * u)
-    g = torch.Generator().manual_seed(4)
-    factors = {}
-    for i, layer in enumerate(model.model.layers):
-        for name in E.PROJECTIONS:
-            lin = layer.get_submodule(name)
-            factors[f"model.layers.{i}.{name}"] = (torch.randn(4, lin.in_features, generator=g) * 0.1,
-                                                   torch.randn(lin.out_features, 4, generator=g) * 0.1)
+    _fused_as_torch(monkeypatch, E, lora_shrink=lora_shrink)
+    factors = _cpu_factors(model, 4, 4)
     plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
     monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
     kern._kernels = True  # (CUDA-only otherwise; every kernel it reaches is a fake here)

@@ -169,53 +169,97 @@ def test_pdl_on_off_identical_packed_qwen2():
     assert not torch.equal(c.behaviour_logprobs, a.behaviour_logprobs)
 
 
-def test_fused_lora_shrink_in_decode(gpu_model, monkeypatch):
-    """Decode steps with an adapter: the q/k/v, gate/up and down shrinks ride in the norm and SiLU·mul kernels
-    (counted), and the policy is the one without that fusion: greedy tokens agree, and the behaviour log-probs
-    of a sampled rollout match the teacher-forced forward (which runs the matmul chain) within bf16 rounding.
-    Rank 6: rank rows that are not a multiple of the kernels' rows per block."""
-    from qerl_cli import engine as engine_mod
-    from qerl_cli.engine import LoRA
-
-    made = {"norm": 0, "silu": 0}
-
-    def counting(name, fn):
-        def call(*args):
-            out = fn(*args)
-            made[name] += out is not None
-            return out
-        return call
-
-    monkeypatch.setattr(engine_mod._fk, "add_norm_shrink", counting("norm", engine_mod._fk.add_norm_shrink))
-    monkeypatch.setattr(engine_mod._fk, "silu_mul_shrink", counting("silu", engine_mod._fk.silu_mul_shrink))
-    g = torch.Generator(device="cuda").manual_seed(1)
+def _random_factors(model, rank: int, seed: int) -> dict:
+    """Rank-``rank`` LoRA factors (A, B) on every projection of ``model``, small enough to keep it sane."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     factors = {}
-    for i, layer in enumerate(gpu_model.model.layers):
+    for i, layer in enumerate(model.model.layers):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             lin = layer.get_submodule(name)
             factors[f"model.layers.{i}.{name}"] = (
-                torch.randn(6, lin.in_features, device="cuda", generator=g) * 0.05,
-                torch.randn(lin.out_features, 6, device="cuda", generator=g) * 0.05)
+                torch.randn(rank, lin.in_features, device="cuda", generator=g) * 0.05,
+                torch.randn(lin.out_features, rank, device="cuda", generator=g) * 0.05)
+    return factors
+
+
+def _engines_with(model, factors: dict, attr: str) -> list[Engine]:
+    """Two engines with the adapter ``factors``: ``attr`` off in the first, on in the second."""
+    from qerl_cli.engine import LoRA
+
     engines = []
-    for fused_shrink in (False, True):
-        eng = Engine(gpu_model, "cuda")
+    for on in (False, True):
+        eng = Engine(model, "cuda")
         eng.set_adapter(LoRA(factors, scaling=2.0))
-        eng.fused_shrink = fused_shrink
+        setattr(eng, attr, on)
         engines.append(eng)
-    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
-    off = engines[0].generate(PROMPTS, 2, greedy, 0, set(), 0)
-    assert made == {"norm": 0, "silu": 0}
-    on = engines[1].generate(PROMPTS, 2, greedy, 0, set(), 0)
-    n_layers = len(gpu_model.model.layers)
-    assert made["norm"] >= 2 * n_layers and made["silu"] >= n_layers, made  # (warm-up and graph capture)
-    assert float((off.completion_ids[:, :4] == on.completion_ids[:, :4]).float().mean()) >= 0.75
-    s = engines[1].generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)
+    return engines
+
+
+def _counting(calls: dict, name: str, fn):
+    """``fn`` that adds 1 to ``calls[name]`` for every call that returns something (not None)."""
+    def call(*args, **kw):
+        out = fn(*args, **kw)
+        calls[name] += out is not None
+        return out
+    return call
+
+
+def _same_policy(greedy_off, greedy_on, eng: Engine) -> None:
+    """The policy of ``eng`` is the one without its fusion: greedy tokens agree on the first steps (a bf16
+    near-tie may flip a later one), and the behaviour log-probs of a sampled rollout match the teacher-forced
+    forward (which runs the matmul chain) within bf16 rounding."""
+    assert float((greedy_off.completion_ids[:, :4] == greedy_on.completion_ids[:, :4]).float().mean()) >= 0.75
+    s = eng.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)
     with torch.no_grad():
-        tf = engines[1].sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0,
-                                          group=4).float().cpu()
+        tf = eng.sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0, group=4).float().cpu()
     gap = (tf - s.behaviour_logprobs).abs()[s.completion_mask]
     assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
+
+
+def test_fused_lora_shrink_in_decode(gpu_model, monkeypatch):
+    """Decode steps with an adapter: the q/k/v, gate/up and down shrinks ride in the norm and SiLU·mul kernels
+    (counted), and the policy is the one without that fusion (``_same_policy``). Rank 6: rank rows that are not
+    a multiple of the kernels' rows per block (the terms then stay out of the NVFP4 kernels)."""
+    from qerl_cli import engine as engine_mod
+
+    made = {"norm": 0, "silu": 0}
+    monkeypatch.setattr(engine_mod._fk, "add_norm_shrink", _counting(made, "norm", engine_mod._fk.add_norm_shrink))
+    monkeypatch.setattr(engine_mod._fk, "silu_mul_shrink", _counting(made, "silu", engine_mod._fk.silu_mul_shrink))
+    off_eng, on_eng = _engines_with(gpu_model, _random_factors(gpu_model, 6, 1), "fused_shrink")
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    off = off_eng.generate(PROMPTS, 2, greedy, 0, set(), 0)
+    assert made == {"norm": 0, "silu": 0}
+    on = on_eng.generate(PROMPTS, 2, greedy, 0, set(), 0)
+    n_layers = len(gpu_model.model.layers)
+    assert made["norm"] >= 2 * n_layers and made["silu"] >= n_layers, made  # (warm-up and graph capture)
+    _same_policy(off, on, on_eng)
+
+
+@pytest.mark.parametrize("rank", [16, 6])
+def test_lora_in_kernel_decode(gpu_model, monkeypatch, rank):
+    """Decode steps with an adapter (session 14): with rank 16 every projection of this model (all on small-M
+    kernels at these rows) takes its LoRA term inside the NVFP4 kernel (counted: ``kernel.linear_lora`` returns
+    outputs, and the o projection's shrink comes from ``fused.lora_shrink``); rank 6 is declined (rank rows not
+    whole 16-row steps) and the expand kernels run. Either way the policy is the one without the term in the
+    kernel (``_same_policy``)."""
+    from qerl_cli import engine as engine_mod
+    from qerl_cli import fused, kernel
+
+    calls = {"in_kernel": 0, "shrink": 0}
+    monkeypatch.setattr(engine_mod._kernel, "linear_lora", _counting(calls, "in_kernel", kernel.linear_lora))
+    monkeypatch.setattr(engine_mod._fk, "lora_shrink", _counting(calls, "shrink", fused.lora_shrink))
+    off_eng, on_eng = _engines_with(gpu_model, _random_factors(gpu_model, rank, 1), "lora_in_kernel")
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    off = off_eng.generate(PROMPTS, 2, greedy, 0, set(), 0)
+    assert calls == {"in_kernel": 0, "shrink": 0}
+    on = on_eng.generate(PROMPTS, 2, greedy, 0, set(), 0)
+    n_layers = len(gpu_model.model.layers)
+    if rank == 16:  # q/k/v, o, gate/up, down per layer; o's shrink on its own (warm-up and graph capture at least)
+        assert calls["in_kernel"] >= 4 * n_layers and calls["shrink"] >= n_layers, calls
+    else:
+        assert calls["in_kernel"] == 0, calls
+    _same_policy(off, on, on_eng)
 
 
 def test_fused_sampler_in_decode(gpu_model, monkeypatch):

@@ -1,5 +1,6 @@
-"""kernel.linear_lora: a decode step's LoRA term inside the small-M NVFP4 kernel (``-m gpu``), and the engine
-routing it (session 14). CPU tests of the same code are in test_kernel.py and test_engine.py."""
+"""kernel.linear_lora: a decode step's LoRA term inside the small-M NVFP4 kernels (``-m gpu``; session 14). The
+engine's use of it is tested in test_engine_gpu.py (GPU) and test_engine.py (CPU, the kernels replaced by their
+torch definitions)."""
 
 from __future__ import annotations
 
@@ -159,68 +160,3 @@ def test_linear_lora_declines_without_launching(settings):
     assert declined(x8, hs6, bs6, segs6)
     hs_b, bs_b, _ = _term((248, 72, 64), (16, 16, 16), 8, seed=5)
     assert declined(x8, hs_b, bs_b, (248, 0, 16, 320, 16, 32, 384, 32, 48))
-
-
-@pytest.mark.parametrize("rank", [16, 6])
-def test_engine_decode_with_lora_in_kernel(rank, monkeypatch):
-    """Decode steps with an adapter: with rank 16 every projection of this model (all small enough for the v1
-    kernel) takes its LoRA term inside the NVFP4 kernel (counted: ``linear_lora`` returns outputs, and the o
-    projection's shrink comes from ``fused.lora_shrink``); rank 6 is declined and the separate expand runs. The
-    policy is the one without the term in the kernel: greedy tokens agree on the first steps, and the behaviour
-    log-probs of a sampled rollout match the teacher-forced forward within bf16 rounding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from qerl_cli import engine as engine_mod
-    from qerl_cli.engine import Engine, LoRA, SamplingConfig
-    from qerl_cli.packed_model import pack_model_inplace
-
-    torch.manual_seed(0)
-    conf = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.08)
-    model = pack_model_inplace(LlamaForCausalLM(conf).to("cuda", torch.bfloat16).eval())
-    calls = {"in_kernel": 0, "shrink": 0}
-
-    def counting(name, fn):
-        def call(*args, **kw):
-            out = fn(*args, **kw)
-            calls[name] += out is not None
-            return out
-        return call
-
-    monkeypatch.setattr(engine_mod._kernel, "linear_lora", counting("in_kernel", kernel.linear_lora))
-    monkeypatch.setattr(engine_mod._fk, "lora_shrink", counting("shrink", fused.lora_shrink))
-    g = torch.Generator(device="cuda").manual_seed(1)
-    factors = {}
-    for i, layer in enumerate(model.model.layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            lin = layer.get_submodule(name)
-            factors[f"model.layers.{i}.{name}"] = (
-                torch.randn(rank, lin.in_features, device="cuda", generator=g) * 0.05,
-                torch.randn(lin.out_features, rank, device="cuda", generator=g) * 0.05)
-    engines = []
-    for in_kernel in (False, True):
-        eng = Engine(model, "cuda")
-        eng.set_adapter(LoRA(factors, scaling=2.0))
-        eng.lora_in_kernel = in_kernel
-        engines.append(eng)
-    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
-    off = engines[0].generate(PROMPTS, 2, greedy, 0, set(), 0)
-    assert calls == {"in_kernel": 0, "shrink": 0}
-    on = engines[1].generate(PROMPTS, 2, greedy, 0, set(), 0)
-    n_layers = len(model.model.layers)
-    if rank == 16:
-        # q/k/v, o, gate/up, down per layer; the o shrink on its own (warm-up and graph capture at least)
-        assert calls["in_kernel"] >= 4 * n_layers and calls["shrink"] >= n_layers, calls
-    else:
-        assert calls["in_kernel"] == 0, calls
-    assert float((off.completion_ids[:, :4] == on.completion_ids[:, :4]).float().mean()) >= 0.75
-    s = engines[1].generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)
-    with torch.no_grad():
-        tf = engines[1].sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0,
-                                          group=4).float().cpu()
-    gap = (tf - s.behaviour_logprobs).abs()[s.completion_mask]
-    assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
-
-
-PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
