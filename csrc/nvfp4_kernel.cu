@@ -1152,6 +1152,7 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
                        at::Tensor& out, int M, int N, int K, int NT, int KT, const LoraAug& la) {
   constexpr int ROWS_BLOCKS = kWarps * R;
   constexpr int MP = 8 * TG;
+  TORCH_CHECK(la.h == nullptr || TG <= kLoraAugMaxTG, "qerl: a LoRA term reached a kernel instance without one");
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
   const int slices = (M + kSliceTokens - 1) / kSliceTokens;
   const int sms = num_sms(x.get_device());
@@ -1245,6 +1246,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   constexpr int ROWS_BLOCKS = NW * R;
   constexpr int MP = 8 * TG;
   QERL_CHECK(M <= MP, "qerl: v2 kernel instance for M <= %d called with M = %d", MP, M);
+  TORCH_CHECK(la.h == nullptr || TG <= kLoraAugMaxTG, "qerl: a LoRA term reached a kernel instance without one");
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
   const int sms = num_sms(x.get_device());
   const int rows_alloc = std::min(MP, M + 1);

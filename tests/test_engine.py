@@ -628,8 +628,12 @@ def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
 
     def linear_lora(x, qweight, gs, n, k, hs, bs, segs=(), *, bias=None, out=None):
         calls["in_kernel"].append(n)
-        w = layout.dequantize(qweight, gs, n, k, torch.float32)
-        y = x @ w.t() + hs @ bs
+        y = x @ layout.dequantize(qweight, gs, n, k, torch.float32).t()
+        col = 0
+        for end, r0, r1 in zip(segs[::3], segs[1::3], segs[2::3]):  # only each member's block, as the kernel reads
+            y[:, col:end] += hs[:, r0:r1] @ bs[r0:r1, col:end]
+            col = end
+        assert col == n
         return y if bias is None else y + bias
 
     def lora_shrink(x, a):

@@ -77,8 +77,9 @@ def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
     """The output of ``linear_lora`` (poisoned before each call) is ``x W^T + hs @ bs (+ bias)`` within its two
     roundings, at M = 1 ... 16, for every small-M kernel: the two v1 configurations unsplit and with forced K
     splits reduced in a cluster and in the workspace (cluster and workspace give the same bits at the same split:
-    the term is part of the last split's partial in both), the stream-K ones with row groups cut between CTAs
-    (the large shapes); a second call gives the same bits."""
+    the term is part of the last split's partial in both) and with the automatic split with clusters on and off
+    (the default at 8 < M <= 16 is a cluster split), the stream-K ones with row groups cut between CTAs (the large
+    shapes); a second call gives the same bits."""
     ext = settings
     kernel.set_variant(variant)
     n = sum(sizes)
@@ -94,7 +95,7 @@ def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
         for split in splits:
             ext.set_split_override(split)
             outs = {}
-            for cl in ((True, False) if clusters and split else (False,)):
+            for cl in ((True, False) if clusters else (False,)):
                 kernel.set_cluster(cl)
                 for bias in (None, b):
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -105,7 +106,7 @@ def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
                     assert not torch.isnan(out).any(), (m, split, cl)
                     assert bool((err <= bound).all()), (m, split, cl, bias is None, float((err - bound).max()))
                     outs[cl, bias is None] = out
-            if len(outs) == 4:
+            if len(outs) == 4 and split:  # (the automatic split differs with and without clusters)
                 for nb in (True, False):
                     assert torch.equal(outs[True, nb], outs[False, nb]), (m, split, nb)
             again = kernel.linear_lora(x, qw, gs, n, k, hs, bs, segs)
@@ -113,29 +114,35 @@ def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
 
 
 def test_linear_lora_near_the_separate_expand(settings):
-    """Against what the engine ran before (``linear`` then ``fused.lora_expand``, which rounds the base first):
-    the two differ by at most their roundings (half a bf16 unit of the base, of each result)."""
+    """Against what the engine ran before (``linear`` with the bias, then ``fused.lora_expand``, which rounds
+    base + bias first): with and without a bias the two differ by at most their roundings (half a bf16 unit of
+    the base, of base + bias and of each result)."""
     kernel.set_variant("auto")
     sizes, ranks, k = (3584, 512, 512), (32, 32, 32), 3584
     n = sum(sizes)
     qw, gs = make_packed(n, k, device="cuda", seed=5)
+    w = layout.dequantize(qw, gs, n, k, torch.float32)
     hs, bs, segs = _term(sizes, ranks, 8, seed=9)
     x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-    y = kernel.linear_lora(x, qw, gs, n, k, hs, bs, segs)
-    chain = fused.lora_expand(kernel.linear(x, qw, gs, n, k), hs, bs, segs)
-    assert y is not None and chain is not None
-    a, c = y.float(), chain.float()
-    base = kernel.linear(x, qw, gs, n, k).float()
-    w = layout.dequantize(qw, gs, n, k, torch.float32)
-    bound = (base.abs() + a.abs() + c.abs()) * 2.0 ** -8 + _fp32_slack(x, w, hs, bs) + 1e-6
-    assert bool(((a - c).abs() <= bound).all())
+    b = (torch.randn(n, device="cuda") * 4).to(torch.bfloat16)
+    for bias in (None, b):
+        y = kernel.linear_lora(x, qw, gs, n, k, hs, bs, segs, bias=bias)
+        based = kernel.linear(x, qw, gs, n, k, bias=bias)
+        chain = fused.lora_expand(based, hs, bs, segs)
+        assert y is not None and chain is not None
+        a, c = y.float(), chain.float()
+        base = kernel.linear(x, qw, gs, n, k).float()
+        bound = (base.abs() + based.float().abs() + a.abs() + c.abs()) * 2.0 ** -8 + _fp32_slack(x, w, hs, bs) + 1e-6
+        assert bool(((a - c).abs() <= bound).all()), bias is None
 
 
 def test_linear_lora_declines_without_launching(settings):
     """Where no small-M kernel runs the product or the term is outside what it takes, ``linear_lora`` returns
     None and leaves the output untouched: the dequantize path (the large-M threshold lowered under M), more than 16
     rows, rank rows that are not whole 16-row steps, a member boundary inside a 16-row block; ``takes_lora``
-    agrees on the first two, and says yes for auto's stream-K choice (the 7B gate/up at M = 8)."""
+    agrees on the first two, and says yes for auto's stream-K choice (the 7B gate/up at M = 8; the term runs in
+    the stream-K kernels in test_linear_lora_against_fp32)."""
+    ext = settings
     n, k = 384, 256
     qw, gs = make_packed(n, k, device="cuda", seed=1)
     x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
@@ -149,7 +156,7 @@ def test_linear_lora_declines_without_launching(settings):
 
     kernel.set_variant("auto")
     assert kernel.takes_lora(8, n, k) and not declined(x8, hs, bs, segs)
-    assert kernel.takes_lora(8, 37888, 3584)
+    assert ext.auto_variant(8, 37888, 3584) == kernel.VARIANTS["v2w8"] and kernel.takes_lora(8, 37888, 3584)
     kernel.set_large_m_threshold(4)
     assert not kernel.takes_lora(8, n, k) and declined(x8, hs, bs, segs)
     kernel.set_large_m_threshold(64)

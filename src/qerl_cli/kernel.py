@@ -59,7 +59,8 @@ import torch
 from . import layout
 
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
-           "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster"]
+           "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
+           "linear_lora", "takes_lora", "LORA_MAX_ROWS"]
 
 BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
@@ -458,8 +459,9 @@ def linear_lora(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
     term of a decode step inside the NVFP4 product (no separate expand kernel). ``hs [M, R]``: fp32 holding bf16
     values (the shrink ``bf16(x @ A^T)``: ``fused.add_norm_shrink``, ``fused.silu_mul_shrink``,
     ``fused.lora_shrink``); ``bs [R, n]`` bf16 (``B^T`` times the scaling, block-diagonal for a fused group with
-    ``segs`` as in ``fused.lora_add``). Base and term are summed in fp32 and rounded to bf16 once (the separate
-    expand rounds the base first: at most one bf16 unit apart). No autograd (no-grad decode only). ``out``: a
+    ``segs`` as in ``fused.lora_add``). Base and term are summed in fp32 and rounded to bf16 once, then the bias is
+    added and rounded (the separate expand rounds the base, and the bias, first: the two differ by those
+    roundings, half a bf16 unit of the base and of each result). No autograd (no-grad decode only). ``out``: a
     contiguous ``[M, n]`` bf16 tensor to write (else a new one).
 
     Every small-M kernel takes the term (``nvfp4_mma_kernel`` into its last K split's partial, the stream-K
