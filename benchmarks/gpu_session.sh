@@ -72,6 +72,8 @@
 #                                  kernels, interleaved), then the kernel, fused and engine GPU tests in the time left
 #   33                             session 14: part 32 without the kernel / fused / engine GPU tests (after the L2
 #                                  prefetch of the term's bs slices)
+#   34                             (prepared in session 14, not run) build, every GPU test file, those edited after
+#                                  session 14's last GPU run first
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -413,6 +415,17 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # kernel / fused / engine GPU tests (the device time left)
   build; stamp 33 "kernels built"
   lora_term_checks 33
+  ;;
+34)
+  # (prepared in session 14, not run) the GPU tests edited after session 14's last GPU run (the LoRA term's, the
+  # engine's), then every other GPU test file, on one fresh machine
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 34 "kernels built"
+  COLUMNS=200 timeout $(( 585 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_lora_in_kernel_gpu.py tests/test_engine_gpu.py tests/test_kernel.py tests/test_fused_gpu.py \
+    tests/test_extension_errors_gpu.py tests/test_calibrate_gpu.py tests/test_train_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 30 "$OUT/gpu_tests.log"
+  stamp 34 "GPU tests done"
   ;;
 8)
   build; stamp 8 "kernels built"
