@@ -557,6 +557,16 @@ def _cpu_factors(model, rank: int, seed: int) -> dict:
     return factors
 
 
+def _plain_and_kernel_path(model, monkeypatch, factors: dict) -> tuple[Engine, Engine]:
+    """Two engines with the adapter ``factors``: the plain path, and one that takes the fused-kernel path (its
+    kernels being whatever ``E._fk`` holds: the torch stand-ins here)."""
+    plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
+    monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
+    for eng in (plain, kern):
+        eng.set_adapter(LoRA(factors, scaling=2.0))
+    return plain, kern
+
+
 def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
     """The fused-kernel path with an adapter, the kernels replaced by their torch definitions (fp32, CPU): the
     q/k/v and gate/up shrinks made by the norm, the down shrink by SiLU·mul, the expands after the base. Each fake
@@ -579,10 +589,7 @@ def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
 
     _fused_as_torch(monkeypatch, E, add_norm_shrink=add_norm_shrink, silu_mul_shrink=silu_mul_shrink)
     factors = _cpu_factors(model, 5, 3)
-    plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
-    monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
-    for eng in (plain, kern):
-        eng.set_adapter(LoRA(factors, scaling=2.0))
+    plain, kern = _plain_and_kernel_path(model, monkeypatch, factors)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=10)
     a = plain.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
     b = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
@@ -643,12 +650,8 @@ def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
     monkeypatch.setattr(E._kernel, "takes_lora", takes_lora)
     monkeypatch.setattr(E._kernel, "linear_lora", linear_lora)
     _fused_as_torch(monkeypatch, E, lora_shrink=lora_shrink)
-    factors = _cpu_factors(model, 4, 4)
-    plain, kern = Engine(model, fuse=True), Engine(model, fuse=True)
-    monkeypatch.setattr(kern, "_use_kernels", lambda h: not torch.is_grad_enabled())
+    plain, kern = _plain_and_kernel_path(model, monkeypatch, _cpu_factors(model, 4, 4))
     kern._kernels = True  # (CUDA-only otherwise; every kernel it reaches is a fake here)
-    for eng in (plain, kern):
-        eng.set_adapter(LoRA(factors, scaling=2.0))
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=10)
     a = plain.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
     b = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
