@@ -212,6 +212,10 @@ def main() -> None:
     ap.add_argument("--kernel-variants", default=None,
                     help="comma-separated small-M kernel variants (qerl_cli.kernel.VARIANTS): 7B shapes, NVFP4 "
                          "only, batch 8 and 64, each variant forced in turn (one packed model, one process)")
+    ap.add_argument("--rl-batches", default=None,
+                    help="comma-separated batch sizes (e.g. 8,32,64): 7B shapes, 256 -> 512 tokens, our engine "
+                         "bf16 and NVFP4, each without and with a rank-32 adapter on every projection (the "
+                         "rollout batches of RL training: prompts x group)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -255,6 +259,8 @@ def main() -> None:
         sampler_part(result, rows, save)
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
+    elif args.rl_batches:
+        rl_part(rows, save, [int(b) for b in args.rl_batches.split(",") if b.strip()])
     elif args.lora_only:
         lora_part(result, rows, save, profile=args.profile)
     elif not args.skip_7b:
@@ -409,6 +415,23 @@ def lora_part(result, rows, save, profile: bool = False) -> None:
         except Exception as e:  # a diagnosis: never lose the throughput rows to it
             result["qwen7b_nvfp4_lora32_decode_profile_b8"] = {"error": repr(e)}
         save()
+
+
+def rl_part(rows, save, batches: list[int]) -> None:
+    """The rollout batches of RL training (prompts x group, with the adapter being trained): 7B shapes, 256-token
+    prompts, 512 new tokens, our engine in bf16 and then NVFP4 (the same weights packed), each batch without and
+    with a rank-32 adapter on every projection."""
+    big = random_model(qwen7b_config())
+    for label in ("ours-bf16", "ours-nvfp4"):
+        if label == "ours-nvfp4":
+            big = pack_model_inplace(big)
+            gc.collect()
+            torch.cuda.empty_cache()
+        for batch in batches:
+            for suffix, kw in (("", {}), (" +lora32", {"lora_rank": 32})):
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": label + suffix, "batch": batch,
+                             **time_engine(big, batch, 256, 512, 152064, **kw)})
+                save()
 
 
 def smollm2_part(base, tok, result, rows, save) -> None:

@@ -74,6 +74,11 @@
 #                                  prefetch of the term's bs slices)
 #   34                             (prepared in session 14, not run) build, every GPU test file, those edited after
 #                                  session 14's last GPU run first
+#   35                             session 15: build, the kernel's new row-order test (M = 16 after 13 in a fresh
+#                                  process), then every GPU test file
+#   35b                            session 15, right after 35 on the warm machine: the 7B-shape rollouts at the batch
+#                                  sizes of RL training (RL_BATCHES, default 8,32,64), bf16 and NVFP4, each without
+#                                  and with a rank-32 adapter
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -426,6 +431,25 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     tests/test_extension_errors_gpu.py tests/test_calibrate_gpu.py tests/test_train_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -n 30 "$OUT/gpu_tests.log"
   stamp 34 "GPU tests done"
+  ;;
+35)
+  # session 15: part 34 after the fix of the kernel launchers' shared-memory limit (a larger M after a smaller one
+  # on one instance failed with "invalid argument"), its regression test first
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 35 "kernels built"
+  COLUMNS=200 timeout $(( 585 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_kernel.py::test_gpu_row_counts_shrinking_and_growing tests/test_lora_in_kernel_gpu.py \
+    tests/test_engine_gpu.py tests/test_kernel.py tests/test_fused_gpu.py tests/test_extension_errors_gpu.py \
+    tests/test_calibrate_gpu.py tests/test_train_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 30 "$OUT/gpu_tests.log"
+  stamp 35 "GPU tests done"
+  ;;
+35b)
+  build; stamp 35b "kernels loaded"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 \
+    --rl-batches "${RL_BATCHES:-8,32,64}" --json "$OUT/rollout_7b_rl_batches.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_rl_batches.log" | grep -v '^{'
+  stamp 35b "RL-batch rollouts done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -1075,6 +1075,31 @@ struct SmallCfg {
   int tg, r, kch;
 };
 
+// Resident CTAs per SM of `kern` (`threads` per block) at `smem` bytes of dynamic shared memory on device `dev`,
+// cached. A launch above the kernel's dynamic shared-memory limit fails with "invalid argument", so the limit is
+// raised to the largest size asked for on that device and never lowered: lowering it to a smaller size asked for
+// later (M = 13 after M = 16) broke the next launch at the larger one (found on an H100, session 15).
+template <typename Kern>
+static int resident_ctas(Kern kern, int threads, size_t smem, int dev) {
+  struct PerKernel {
+    size_t limit = 48 * 1024;  // the default limit
+    std::map<size_t, int> occ;
+  };
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, PerKernel> table;
+  std::lock_guard<std::mutex> lock(mu);
+  PerKernel& e = table[{reinterpret_cast<const void*>(kern), dev}];
+  auto it = e.occ.find(smem);
+  if (it != e.occ.end()) return it->second;
+  if (smem > e.limit) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    e.limit = smem;
+  }
+  int occ = 1;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, threads, smem));
+  return e.occ[smem] = std::max(occ, 1);
+}
+
 static int num_sms(int dev) {
   static std::mutex mu;
   static std::map<int, int> cache;
@@ -1159,21 +1184,7 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   const int rows_alloc = std::min(MP, std::min(M, kSliceTokens) + 1);
   const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16);
   auto kern = nvfp4_mma_kernel<TG, R, D, KCH, NACC, MINB>;
-  int occ = 1;
-  {
-    static std::mutex mu;
-    static std::map<size_t, int> occ_cache;  // per instance: dynamic smem -> resident CTAs per SM
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = occ_cache.find(smem);
-    if (it == occ_cache.end()) {
-      if (smem > 48 * 1024)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kWarps * 32, smem));
-      occ_cache[smem] = std::max(occ, 1);
-      it = occ_cache.find(smem);
-    }
-    occ = it->second;
-  }
+  const int occ = resident_ctas(kern, kWarps * 32, smem, x.get_device());
   // K split: an SM streams at full speed only with all its `occ` CTA slots busy (latency-bound below), so
   // the time is ~ (tiles per CTA + prologue) x max(CTAs on the busiest SM, occ); plus the split-K partials
   // (written and read once, mostly through L2)
@@ -1252,21 +1263,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   const int rows_alloc = std::min(MP, M + 1);
   const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16);
   auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>;
-  int occ = 1;
-  {
-    static std::mutex mu;
-    static std::map<size_t, int> occ_cache;
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = occ_cache.find(smem);
-    if (it == occ_cache.end()) {
-      if (smem > 48 * 1024)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, NW * 32, smem));
-      occ_cache[smem] = std::max(occ, 1);
-      it = occ_cache.find(smem);
-    }
-    occ = it->second;
-  }
+  const int occ = resident_ctas(kern, NW * 32, smem, x.get_device());
   // every resident CTA slot gets an equal share of the RG * KT units, but at least kMinUnits of them (small
   // problems: fewer, longer CTAs instead of many that are all prologue)
   constexpr int64_t kMinUnits = 2 * KCH;

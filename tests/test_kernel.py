@@ -263,6 +263,54 @@ def test_gpu_linear_small_m(n, k, small_m_variant):
     _check_linear(n, k, SMALL_M, seed=n * 7 + k, paths=(None, 0))  # auto, and the mma kernel at every M
 
 
+ROW_ORDER_CHILD = """
+import sys, torch
+from qerl_cli import kernel, layout
+assert kernel.available(), kernel.build_error()
+ext = kernel._load()
+for variant in ("auto", "default"):
+    kernel.set_variant(variant)
+    for n, k in ((576, 576), (4608, 3584)):
+        g = torch.Generator().manual_seed(n + k)
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scales = torch.randint(0x20, 0x40, (n, k // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        qw, gs = layout.pack(codes.cuda(), scales.cuda()), torch.tensor([100.0], device="cuda")
+        w = layout.dequantize(qw, gs, n, k, torch.float32)
+        for m in (16, 13, 16, 32, 20, 32, 64, 40, 64, 9, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w.t()
+            for path in (-1, 0):
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                ext.linear_out(x, qw, gs, n, k, out, path)
+                torch.cuda.synchronize()
+                err = float((out.float() - ref).norm() / ref.norm())
+                print(f"{variant}\t{n}x{k}\t{m}\t{path}\t{err:.3e}", flush=True)
+                assert err <= 1e-2, (variant, n, k, m, path, err)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_row_counts_shrinking_and_growing():
+    """A kernel instance's shared memory grows with the rows it stages, above 48 KB for some (M = 9-16 on the
+    default configuration, 17-64 on the v1 ones): a larger M after a smaller one must still launch. Session 15
+    found M = 16 after M = 13 failing with "invalid argument" once another test file had run M = 16 first (the
+    instance's shared-memory limit had been lowered to M = 13's size). A fresh child process, so that no earlier
+    launch in the test run decides the order."""
+    import os
+    import subprocess
+    import sys
+
+    _need_kernel()
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", ROW_ORDER_CHILD], capture_output=True, text=True, env=env,
+                         timeout=600)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and lines[-1:] == ["done"], f"after {lines[-1:]}: {res.stderr[-1500:]}"
+    assert len(lines) == 2 * 2 * 11 * 2 + 1
+
+
 @pytest.mark.gpu
 def test_gpu_auto_variant_rules():
     """auto's per-shape choice, as measured on the H200 (sessions 9 and 12's rules in ``auto_variant``), for the
