@@ -214,8 +214,8 @@ def main() -> None:
                          "only, batch 8 and 64, each variant forced in turn (one packed model, one process)")
     ap.add_argument("--rl-batches", default=None,
                     help="comma-separated batch sizes (e.g. 8,32,64): 7B shapes, 256 -> 512 tokens, our engine "
-                         "bf16 and NVFP4, each without and with a rank-32 adapter on every projection (the "
-                         "rollout batches of RL training: prompts x group)")
+                         "bf16 with a rank-32 adapter on every projection, NVFP4 without and with it (terms in the "
+                         "kernel against outside, interleaved): the rollout batches of RL (prompts x group)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -419,18 +419,25 @@ def lora_part(result, rows, save, profile: bool = False) -> None:
 
 def rl_part(rows, save, batches: list[int]) -> None:
     """The rollout batches of RL training (prompts x group, with the adapter being trained): 7B shapes, 256-token
-    prompts, 512 new tokens, our engine in bf16 and then NVFP4 (the same weights packed), each batch without and
-    with a rank-32 adapter on every projection."""
+    prompts, 512 new tokens, our engine in bf16 with a rank-32 adapter on every projection, then NVFP4 (the same
+    weights packed) without an adapter and with it, the LoRA terms inside the NVFP4 kernels (the default) and in
+    separate expand kernels / cuBLAS (``lora_in_kernel`` off) interleaved twice."""
     big = random_model(qwen7b_config())
-    for label in ("ours-bf16", "ours-nvfp4"):
-        if label == "ours-nvfp4":
-            big = pack_model_inplace(big)
-            gc.collect()
-            torch.cuda.empty_cache()
-        for batch in batches:
-            for suffix, kw in (("", {}), (" +lora32", {"lora_rank": 32})):
-                rows.append({"model": "Qwen2.5-7B-shape", "engine": label + suffix, "batch": batch,
-                             **time_engine(big, batch, 256, 512, 152064, **kw)})
+    for batch in batches:
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16 +lora32", "batch": batch,
+                     **time_engine(big, batch, 256, 512, 152064, lora_rank=32)})
+        save()
+    big = pack_model_inplace(big)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for batch in batches:
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
+                     **time_engine(big, batch, 256, 512, 152064)})
+        save()
+        for _ in range(2):
+            for name, kw in (("ours-nvfp4 +lora32", {}), ("ours-nvfp4 +lora32 terms outside", {"lora_in_kernel": False})):
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": batch,
+                             **time_engine(big, batch, 256, 512, 152064, lora_rank=32, **kw)})
                 save()
 
 

@@ -79,6 +79,10 @@
 #   35b                            session 15, right after 35 on the warm machine: the 7B-shape rollouts at the batch
 #                                  sizes of RL training (RL_BATCHES, default 8,32,64), bf16 and NVFP4, each without
 #                                  and with a rank-32 adapter
+#   36                             session 15 (the LoRA term inside the NVFP4 kernels up to 64 rows): build, the
+#                                  term's and the engine's GPU tests, the 7B-shape RL-batch rollouts (RL_BATCHES,
+#                                  default 8,32,64: terms in the kernel against outside, interleaved), then the
+#                                  kernel's GPU tests in the time left
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -450,6 +454,21 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     --rl-batches "${RL_BATCHES:-8,32,64}" --json "$OUT/rollout_7b_rl_batches.json" 2>&1 \
     | tee "$OUT/bench_rollout_7b_rl_batches.log" | grep -v '^{'
   stamp 35b "RL-batch rollouts done"
+  ;;
+36)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 36 "kernels built"
+  COLUMNS=200 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_lora_in_kernel_gpu.py tests/test_engine_gpu.py > "$OUT/gpu_tests_lora_engine.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests_lora_engine.log"
+  stamp 36 "term and engine GPU tests done"
+  timeout 200 python3 benchmarks/bench_rollout.py --skip-smollm2 --rl-batches "${RL_BATCHES:-8,32,64}" \
+    --json "$OUT/rollout_7b_rl_batches.json" 2>&1 | tee "$OUT/bench_rollout_7b_rl_batches.log" | grep -v '^{'
+  stamp 36 "RL-batch rollouts done"
+  COLUMNS=200 timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line \
+    tests/test_kernel.py > "$OUT/gpu_tests_kernel.log" 2>&1
+  tail -n 8 "$OUT/gpu_tests_kernel.log"
+  stamp 36 "kernel GPU tests done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -257,8 +257,9 @@ __device__ __forceinline__ void ordered_slot_sum(const float* ws, int total, int
 }
 
 // A LoRA term inside the small-M kernels (decode steps; session 14): out = x W^T + hs @ bs (+ bias), with hs
-// [M, R] fp32 holding bf16 values (the shrink bf16(x @ a^T), made by the kernel before: add + RMSNorm, SiLU·mul or
-// fused.lora_shrink) and bs [R, N] bf16 (B^T times the scaling; block-diagonal for a fused group: the columns
+// [M, R] holding bf16 values (the shrink bf16(x @ a^T)): fp32 in the instances for M <= 16 (as the kernels before
+// make it: add + RMSNorm, SiLU·mul or fused.lora_shrink), bf16 in those for 16 < M <= 64 (session 15: a
+// matmul's output; one load path per instance keeps the small ones' registers as they were) and bs [R, N] bf16 (B^T times the scaling; block-diagonal for a fused group: the columns
 // below col_end[i] read only rank rows [rbeg[i], rend[i])). A 16-row block's rank rows are MMAs of their own (bs
 // as the A operand, hs as B, straight from global memory: L2-resident and small), after the K loop (the weight
 // tiles' registers are free then), summed in fp32 and added, scaled by G / 2^62, to the accumulators of the last
@@ -267,9 +268,10 @@ __device__ __forceinline__ void ordered_slot_sum(const float* ws, int total, int
 // differ in the last bit at most). The host (linear_lora_out) admits 16-aligned member boundaries and rank ranges
 // only.
 constexpr int kLoraAugSegs = 8;
-constexpr int kLoraAugMaxTG = 2;  // instances for M <= 16 only (decode steps): larger ones would need more registers
+constexpr int kLoraAugMaxTG = 8;  // every small-M instance (M <= 64) takes a term
+constexpr int kLoraAugFp32MaxTG = 2;  // instances up to this TG read hs as fp32, the larger ones as bf16
 struct LoraAug {
-  const float* h;  // nullptr: no term
+  const void* h;  // nullptr: no term
   const __nv_bfloat16* b;
   int R, nseg;
   int col_end[kLoraAugSegs], rbeg[kLoraAugSegs], rend[kLoraAugSegs];
@@ -328,11 +330,18 @@ __device__ __forceinline__ void lora_aug_term(float (&acc)[R][TG][4], const Lora
         const int m = q * 8 + g;  // this lane's token (B column) of the token group
         uint32_t b0 = 0u, b1 = 0u;
         if (m < mslice) {
-          const float* hp = la.h + (size_t)(tok0 + m) * la.R + j0;
-          const float2 v0 = __ldcg(reinterpret_cast<const float2*>(hp));
-          const float2 v8 = __ldcg(reinterpret_cast<const float2*>(hp + 8));
-          b0 = bf2u(__floats2bfloat162_rn(v0.x, v0.y));  // exact: hs holds bf16 values
-          b1 = bf2u(__floats2bfloat162_rn(v8.x, v8.y));
+          const size_t at = (size_t)(tok0 + m) * la.R + j0;
+          if constexpr (TG > kLoraAugFp32MaxTG) {
+            const __nv_bfloat16* hp = static_cast<const __nv_bfloat16*>(la.h) + at;
+            b0 = __ldcg(reinterpret_cast<const unsigned int*>(hp));
+            b1 = __ldcg(reinterpret_cast<const unsigned int*>(hp + 8));
+          } else {
+            const float* hp = static_cast<const float*>(la.h) + at;
+            const float2 v0 = __ldcg(reinterpret_cast<const float2*>(hp));
+            const float2 v8 = __ldcg(reinterpret_cast<const float2*>(hp + 8));
+            b0 = bf2u(__floats2bfloat162_rn(v0.x, v0.y));  // exact: hs holds bf16 values
+            b1 = bf2u(__floats2bfloat162_rn(v8.x, v8.y));
+          }
         }
         mma_bf16(c[q], a, b0, b1);
       }
@@ -1361,18 +1370,19 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 }
 
 // out = x @ W^T (+ bias) + hs @ bs in one launch of the small-M kernel (see LoraAug): x [M, k] bf16, hs [M, R] fp32
-// (bf16 values), bs [R, n] bf16, both contiguous; segs: flat (col_end, row_begin, row_end) triples as in
+// (bf16 values) or bf16, bs [R, n] bf16, both contiguous; segs: flat (col_end, row_begin, row_end) triples as in
 // qerl_fused's lora_add (empty: every rank row for every column). Returns false, launching nothing, where no
-// small-M kernel would run the product (the dequantize path) or the term's shapes are outside what it takes (more than 16 rows, members not 16-row aligned, rank ranges not multiples of 16, more than 8
-// members): the caller then adds the term itself.
+// small-M kernel would run the product (the dequantize path) or the term's shapes are outside what it takes (more
+// than 64 rows, members not 16-row aligned, rank ranges not multiples of 16, more than 8 members): the caller
+// then adds the term itself.
 bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
                      at::Tensor& out, const c10::optional<at::Tensor>& bias, const at::Tensor& hs, const at::Tensor& bs,
                      const std::vector<int64_t>& segs) {
   check_linear_args(x, qw, gs, n, k, out, bias);
   const int64_t M = x.size(0);
   if (M < 1 || M > 8 * kLoraAugMaxTG || x.scalar_type() != at::kBFloat16) return false;
-  if (!hs.is_cuda() || hs.scalar_type() != at::kFloat || !hs.is_contiguous() || hs.dim() != 2 || hs.size(0) != M ||
-      hs.get_device() != x.get_device() || reinterpret_cast<uintptr_t>(hs.data_ptr()) % 8 != 0)
+  if (!hs.is_cuda() || !(hs.scalar_type() == at::kBFloat16 || hs.scalar_type() == at::kFloat) ||
+      !hs.is_contiguous() || hs.dim() != 2 || hs.size(0) != M || hs.get_device() != x.get_device())
     return false;
   const int64_t R = hs.size(1);
   if (!bs.is_cuda() || bs.scalar_type() != at::kBFloat16 || !bs.is_contiguous() || bs.dim() != 2 || bs.size(0) != R ||
@@ -1403,7 +1413,13 @@ bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   }
   c10::cuda::CUDAGuard guard(qw.device());
   if (choose_path(M, n, k) != 0) return false;
-  la.h = hs.data_ptr<float>();
+  // the instance's hs dtype (kLoraAugFp32MaxTG; exact either way, as hs holds bf16 values); fresh tensors are
+  // aligned for the kernel's 8-byte (fp32 pair) and 4-byte (bf16 pair) loads
+  const bool want_bf16 = M > 8 * kLoraAugFp32MaxTG;
+  at::Tensor hk = hs.scalar_type() == (want_bf16 ? at::kBFloat16 : at::kFloat) ? hs
+                                                                                 : hs.to(want_bf16 ? at::kBFloat16 : at::kFloat);
+  if (reinterpret_cast<uintptr_t>(hk.data_ptr()) % (want_bf16 ? 4 : 8) != 0) hk = hk.clone();
+  la.h = hk.data_ptr();
   la.b = reinterpret_cast<const __nv_bfloat16*>(bs.data_ptr());
   const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   run_mma(aligned_contiguous(x), qw, gs, bp, out, n, k, resolved_variant(M, n, k), la);

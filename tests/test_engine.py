@@ -627,7 +627,7 @@ def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
     made; ``lora_in_kernel`` off calls nothing."""
     from qerl_cli import engine as E
 
-    calls = {"in_kernel": [], "shrink": 0}
+    calls = {"in_kernel": [], "rows": [], "shrink": 0}
     hidden = model.config.hidden_size
 
     def takes_lora(m, n, k):
@@ -635,6 +635,7 @@ def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
 
     def linear_lora(x, qweight, gs, n, k, hs, bs, segs=(), *, bias=None, out=None):
         calls["in_kernel"].append(n)
+        calls["rows"].append(x.shape[0])
         y = x @ layout.dequantize(qweight, gs, n, k, torch.float32).t()
         col = 0
         for end, r0, r1 in zip(segs[::3], segs[1::3], segs[2::3]):  # only each member's block, as the kernel reads
@@ -659,7 +660,9 @@ def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
     qkv = model.model.layers[0].self_attn
     widths = {qkv.q_proj.out_features + qkv.k_proj.out_features + qkv.v_proj.out_features, hidden}
     assert set(calls["in_kernel"]) == widths and len(calls["in_kernel"]) >= 2 * n_layers, calls
-    assert calls["shrink"] == len(calls["in_kernel"]) // 2  # o's; q/k/v's came from the norm
+    # o's up to fused.LORA_MAX_ROWS rows (decode steps), q/k/v's from the norm; above (the prefill) a matmul's
+    assert calls["shrink"] == sum(n == hidden and r <= E._fk.LORA_MAX_ROWS
+                                  for n, r in zip(calls["in_kernel"], calls["rows"])) >= n_layers
     assert torch.equal(a.completion_ids, b.completion_ids)
     torch.testing.assert_close(b.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
     # declined (None): the same policy through base + expand, with the shrink already made
@@ -671,6 +674,55 @@ def test_lora_in_kernel_plumbing_on_cpu(model, monkeypatch):
     kern.lora_in_kernel = False
     d = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
     assert (len(calls["in_kernel"]), calls["shrink"]) == before and torch.equal(d.completion_ids, a.completion_ids)
+
+
+def test_lora_in_kernel_above_the_fused_kernels_rows_on_cpu(model, monkeypatch):
+    """Above ``fused.LORA_MAX_ROWS`` rows (the rollout batches of RL, prompts x group; here that limit is lowered
+    to 4 for 6 rows) the fused shrinks decline, the engine makes the shrink with a matmul and the term still rides
+    in ``kernel.linear_lora`` (up to ``kernel.LORA_MAX_ROWS``), on every projection it takes: no separate expand.
+    Kernels replaced by their torch definitions (fp32, CPU); tokens and log-probs equal the plain path's."""
+    from qerl_cli import engine as E
+
+    calls = {"rows": [], "shrink": 0, "norm_shrink": 0, "expand": 0}
+
+    def linear_lora(x, qweight, gs, n, k, hs, bs, segs=(), *, bias=None, out=None):
+        calls["rows"].append(x.shape[0])
+        assert hs.shape == (x.shape[0], bs.shape[0])
+        y = x @ layout.dequantize(qweight, gs, n, k, torch.float32).t() + hs @ bs
+        return y if bias is None else y + bias
+
+    def lora_shrink(x, a):
+        calls["shrink"] += 1
+        return x @ a.t()
+
+    def add_norm_shrink(*args):
+        calls["norm_shrink"] += 1
+        return _add_norm_shrink_torch(*args)
+
+    real_lora_add = E._lora_add
+
+    def lora_add(*args, **kw):
+        calls["expand"] += 1
+        return real_lora_add(*args, **kw)
+
+    monkeypatch.setattr(E._kernel, "takes_lora", lambda m, n, k: True)
+    monkeypatch.setattr(E._kernel, "linear_lora", linear_lora)
+    monkeypatch.setattr(E._fk, "LORA_MAX_ROWS", 4)
+    monkeypatch.setattr(E, "_lora_add", lora_add)
+    _fused_as_torch(monkeypatch, E, lora_shrink=lora_shrink, add_norm_shrink=add_norm_shrink)
+    plain, kern = _plain_and_kernel_path(model, monkeypatch, _cpu_factors(model, 4, 5))
+    kern._kernels = True  # (CUDA-only otherwise; every kernel it reaches is a fake here)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    a = plain.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    calls["expand"] = 0  # (the plain path's)
+    b = kern.generate(PROMPTS, 2, cfg, 7, {EOS}, PAD)
+    n_layers = len(model.model.layers)
+    steps = int(b.completion_mask.sum(1).max())
+    # q/k/v, o, gate/up and down of every layer in every decode step (6 rows), all in the kernel
+    assert calls["rows"].count(2 * len(PROMPTS)) >= 4 * n_layers * (steps - 1), calls["rows"]
+    assert calls["shrink"] == calls["norm_shrink"] == calls["expand"] == 0, calls
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.behaviour_logprobs, a.behaviour_logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_kernels_failed_build_warns_and_falls_back(monkeypatch):

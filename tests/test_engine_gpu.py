@@ -262,6 +262,26 @@ def test_lora_in_kernel_decode(gpu_model, monkeypatch, rank):
     _same_policy(off, on, on_eng)
 
 
+def test_lora_in_kernel_decode_above_16_rows(gpu_model, monkeypatch):
+    """Decode steps of 24 rows (3 prompts x group 8: an RL rollout batch) with a rank-16 adapter (session 15): the
+    fused shrinks stop at 16 rows, so the engine makes each shrink with a matmul (bf16) and every projection still
+    takes its term inside the NVFP4 kernel (counted; ``fused.lora_shrink`` never called); the policy is the one
+    without the term in the kernel (``_same_policy``)."""
+    from qerl_cli import engine as engine_mod
+    from qerl_cli import fused, kernel
+
+    calls = {"in_kernel": 0, "shrink": 0}
+    monkeypatch.setattr(engine_mod._kernel, "linear_lora", _counting(calls, "in_kernel", kernel.linear_lora))
+    monkeypatch.setattr(engine_mod._fk, "lora_shrink", _counting(calls, "shrink", fused.lora_shrink))
+    off_eng, on_eng = _engines_with(gpu_model, _random_factors(gpu_model, 16, 2), "lora_in_kernel")
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    off = off_eng.generate(PROMPTS, 8, greedy, 0, set(), 0)
+    assert calls == {"in_kernel": 0, "shrink": 0}
+    on = on_eng.generate(PROMPTS, 8, greedy, 0, set(), 0)
+    assert calls["in_kernel"] >= 4 * len(gpu_model.model.layers) and calls["shrink"] == 0, calls
+    _same_policy(off, on, on_eng)
+
+
 def test_fused_sampler_in_decode(gpu_model, monkeypatch):
     """Decode steps at temperature > 0 without truncation draw in the fused sampling kernel (counted), with eos
     handling: a row that draws an eos stops (mask, finish reason), the behaviour log-probs match the teacher-

@@ -33,7 +33,7 @@ def _term(sizes, ranks, m, seed):
 def _fp32_slack(x, w, hs, bs):
     """What fp32 sums in another order may differ by: 2^-20 of the sums of |products| (``w``: the dequantized
     weight, fp32)."""
-    return (x.float().abs() @ w.abs().t() + hs.abs() @ bs.float().abs()) * 2.0 ** -20
+    return (x.float().abs() @ w.abs().t() + hs.float().abs() @ bs.float().abs()) * 2.0 ** -20
 
 
 def _expect(x, w, hs, bs, bias):
@@ -41,7 +41,7 @@ def _expect(x, w, hs, bs, bias):
     rounds base + term to bf16 once, then adds the bias and rounds again (at most half a bf16 unit, 2^-8
     relative, each), after fp32 sums in its own order."""
     base = x.float() @ w.t()
-    term = hs @ bs.float()
+    term = hs.float() @ bs.float()
     value, scale = base + term, base.abs() + term.abs()
     if bias is not None:
         value, scale = value + bias.float(), scale + bias.float().abs()
@@ -75,7 +75,8 @@ def settings():
 @pytest.mark.parametrize("variant", ["default", "alt", "v2", "v2w8"])
 def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
     """The output of ``linear_lora`` (poisoned before each call) is ``x W^T + hs @ bs (+ bias)`` within its two
-    roundings, at M = 1 ... 16, for every small-M kernel: the two v1 configurations unsplit and with forced K
+    roundings, at M = 1 ... 64 (hs fp32 or bf16; above M = 32 only the weights the mma kernels take), for every
+    small-M kernel: the two v1 configurations unsplit and with forced K
     splits reduced in a cluster and in the workspace (cluster and workspace give the same bits at the same split:
     the term is part of the last split's partial in both) and with the automatic split with clusters on and off
     (the default at 8 < M <= 16 is a cluster split), the stream-K ones with row groups cut between CTAs (the large
@@ -89,9 +90,14 @@ def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
     kt = (k + 63) // 64
     clusters = torch.cuda.get_device_capability()[0] >= 9
     splits = (0,) if variant.startswith("v2") else sorted({0, 2, min(3, kt), min(8, kt)})
-    for m in (1, 3, 8, 9, 16):
+    for m in (1, 3, 8, 9, 16, 17, 32, 40, 64):
         hs, bs, segs = _term(sizes, ranks, m, seed=m)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if not kernel.takes_lora(m, n, k):  # the dequantize path (small weights above M = 32)
+            assert m > 32 and kernel.linear_lora(x, qw, gs, n, k, hs, bs, segs) is None
+            continue
+        if m in (17, 40):  # hs as bf16 (a matmul's shrink, the engine above 16 rows); the kernel takes both
+            hs = hs.to(torch.bfloat16)
         for split in splits:
             ext.set_split_override(split)
             outs = {}
@@ -139,7 +145,7 @@ def test_linear_lora_near_the_separate_expand(settings):
 
 def test_linear_lora_declines_without_launching(settings):
     """Where no small-M kernel runs the product or the term is outside what it takes, ``linear_lora`` returns
-    None and leaves the output untouched: the dequantize path (the large-M threshold lowered under M), more than 16
+    None and leaves the output untouched: the dequantize path (the large-M threshold lowered under M), more than 64
     rows, rank rows that are not whole 16-row steps, a member boundary inside a 16-row block; ``takes_lora``
     agrees on the first two, and says yes for auto's stream-K choice (the 7B gate/up at M = 8; the term runs in
     the stream-K kernels in test_linear_lora_against_fp32)."""
@@ -163,7 +169,12 @@ def test_linear_lora_declines_without_launching(settings):
     kernel.set_large_m_threshold(64)
     x17 = torch.randn(17, k, device="cuda", dtype=torch.bfloat16)
     hs17, _, _ = _term((256, 64, 64), (16, 16, 16), 17, seed=3)
-    assert not kernel.takes_lora(17, n, k) and declined(x17, hs17, bs, segs)
+    assert kernel.takes_lora(17, n, k) and not declined(x17, hs17.to(torch.bfloat16), bs, segs)  # (session 15)
+    kernel.set_large_m_threshold(128)  # the mma kernel would not run 65 rows: linear_lora stops at 64 itself
+    x65 = torch.randn(65, k, device="cuda", dtype=torch.bfloat16)
+    hs65, _, _ = _term((256, 64, 64), (16, 16, 16), 65, seed=3)
+    assert not kernel.takes_lora(65, n, k) and declined(x65, hs65, bs, segs)
+    kernel.set_large_m_threshold(64)
     hs6, bs6, segs6 = _term((256, 64, 64), (6, 6, 6), 8, seed=4)
     assert declined(x8, hs6, bs6, segs6)
     hs_b, bs_b, _ = _term((248, 72, 64), (16, 16, 16), 8, seed=5)

@@ -480,8 +480,9 @@ class Engine:
         # launches it on its own
         self.fused_shrink = os.environ.get("QERL_ENGINE_FUSED_SHRINK", "1") != "0"
         # with those, the term's expand rides in the NVFP4 product itself (kernel.linear_lora: decode steps of at
-        # most 16 rows on the small-M kernels; the shrink comes from the fused kernel that made x, else
-        # fused.lora_shrink): one launch fewer per projection, and the gate/up term no longer a cuBLAS addmm.
+        # most 16 rows on the small-M kernels, session 14; up to 64 since session 15: the shrink comes from the
+        # fused kernel that made x, else fused.lora_shrink, above 16 rows from a matmul): one launch fewer per
+        # projection, and the gate/up term no longer a cuBLAS addmm.
         # QERL_ENGINE_LORA_IN_KERNEL=0 (or False) keeps the separate expand kernels
         self.lora_in_kernel = os.environ.get("QERL_ENGINE_LORA_IN_KERNEL", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
@@ -570,8 +571,10 @@ class Engine:
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(base(x) + term, shrunk)`` from one NVFP4 kernel launch with the batched LoRA ``terms`` inside
         (``kernel.linear_lora``) for no-grad bf16 CUDA decode steps of a packed base; ``(None, shrunk)`` where it
-        does not apply — the shrink, if made here (``fused.lora_shrink``), is handed back so the caller's expand
-        uses it."""
+        does not apply — the shrink, if made here, is handed back so the caller's expand uses it. The shrink
+        ``bf16(x @ A^T)`` comes from the kernel that made ``x`` or ``fused.lora_shrink`` up to
+        ``fused.LORA_MAX_ROWS`` rows, from a matmul (bf16 out) above, up to ``kernel.LORA_MAX_ROWS``: the batches
+        of RL rollouts (prompts x group) then skip the expand's launch too."""
         from .packed_model import PackedLinear
 
         a, bs, segs = terms
@@ -584,7 +587,7 @@ class Engine:
             return None, shrunk
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         if shrunk is None:
-            shrunk = _fk.lora_shrink(x2, a)
+            shrunk = _fk.lora_shrink(x2, a) if rows <= _fk.LORA_MAX_ROWS else x2 @ a.t()
             if shrunk is None:
                 return None, None
         y = _kernel.linear_lora(x2, base.qweight, base.global_scale, base.out_features, base.in_features, shrunk,

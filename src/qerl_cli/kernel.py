@@ -67,7 +67,7 @@ BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
 
 VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4}
-LORA_MAX_ROWS = 16  # linear_lora's most rows (kLoraAugMaxTG token groups of 8 in csrc/nvfp4_kernel.cu)
+LORA_MAX_ROWS = 64  # linear_lora's most rows (kLoraAugMaxTG token groups of 8 in csrc/nvfp4_kernel.cu)
 
 _DEFAULT_ARCH_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -456,9 +456,9 @@ def linear_lora(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
                 hs: torch.Tensor, bs: torch.Tensor, segs: tuple[int, ...] = (), *,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ W^T (+ bias) + hs @ bs`` for bf16 CUDA ``x [M, k]`` in one launch of the small-M kernel: the LoRA
-    term of a decode step inside the NVFP4 product (no separate expand kernel). ``hs [M, R]``: fp32 holding bf16
-    values (the shrink ``bf16(x @ A^T)``: ``fused.add_norm_shrink``, ``fused.silu_mul_shrink``,
-    ``fused.lora_shrink``); ``bs [R, n]`` bf16 (``B^T`` times the scaling, block-diagonal for a fused group with
+    term of a decode step inside the NVFP4 product (no separate expand kernel). ``hs [M, R]``: the shrink
+    ``bf16(x @ A^T)``, as fp32 holding bf16 values (``fused.add_norm_shrink``, ``fused.silu_mul_shrink``,
+    ``fused.lora_shrink``) or as bf16 (a matmul's output); ``bs [R, n]`` bf16 (``B^T`` times the scaling, block-diagonal for a fused group with
     ``segs`` as in ``fused.lora_add``). Base and term are summed in fp32 and rounded to bf16 once, then the bias is
     added and rounded (the separate expand rounds the base, and the bias, first: the two differ by those
     roundings, half a bf16 unit of the base and of each result). No autograd (no-grad decode only). ``out``: a
