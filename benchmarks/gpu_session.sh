@@ -465,7 +465,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout 200 python3 benchmarks/bench_rollout.py --skip-smollm2 --rl-batches "${RL_BATCHES:-8,32,64}" \
     --json "$OUT/rollout_7b_rl_batches.json" 2>&1 | tee "$OUT/bench_rollout_7b_rl_batches.log" | grep -v '^{'
   stamp 36 "RL-batch rollouts done"
-  COLUMNS=200 timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line \
+  COLUMNS=200 timeout $(( 520 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line \
     tests/test_kernel.py > "$OUT/gpu_tests_kernel.log" 2>&1
   tail -n 8 "$OUT/gpu_tests_kernel.log"
   stamp 36 "kernel GPU tests done"
