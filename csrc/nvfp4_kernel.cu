@@ -274,6 +274,7 @@ struct LoraAug {
   const void* h;  // nullptr: no term
   const __nv_bfloat16* b;
   int R, nseg;
+  int h_bf16;  // hs is bf16 (else fp32): must be what the instance reads (TG > kLoraAugFp32MaxTG), checked at launch
   int col_end[kLoraAugSegs], rbeg[kLoraAugSegs], rend[kLoraAugSegs];
 };
 
@@ -1187,6 +1188,8 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   constexpr int ROWS_BLOCKS = kWarps * R;
   constexpr int MP = 8 * TG;
   TORCH_CHECK(la.h == nullptr || TG <= kLoraAugMaxTG, "qerl: a LoRA term reached a kernel instance without one");
+  TORCH_CHECK(la.h == nullptr || (la.h_bf16 != 0) == (TG > kLoraAugFp32MaxTG),
+              "qerl: a LoRA term's hs dtype is not the one this kernel instance reads");
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
   const int slices = (M + kSliceTokens - 1) / kSliceTokens;
   const int sms = num_sms(x.get_device());
@@ -1267,6 +1270,8 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   constexpr int MP = 8 * TG;
   QERL_CHECK(M <= MP, "qerl: v2 kernel instance for M <= %d called with M = %d", MP, M);
   TORCH_CHECK(la.h == nullptr || TG <= kLoraAugMaxTG, "qerl: a LoRA term reached a kernel instance without one");
+  TORCH_CHECK(la.h == nullptr || (la.h_bf16 != 0) == (TG > kLoraAugFp32MaxTG),
+              "qerl: a LoRA term's hs dtype is not the one this kernel instance reads");
   const int RG = (NT + ROWS_BLOCKS - 1) / ROWS_BLOCKS;
   const int sms = num_sms(x.get_device());
   const int rows_alloc = std::min(MP, M + 1);
@@ -1420,6 +1425,7 @@ bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
                                                                                  : hs.to(want_bf16 ? at::kBFloat16 : at::kFloat);
   if (reinterpret_cast<uintptr_t>(hk.data_ptr()) % (want_bf16 ? 4 : 8) != 0) hk = hk.clone();
   la.h = hk.data_ptr();
+  la.h_bf16 = want_bf16 ? 1 : 0;
   la.b = reinterpret_cast<const __nv_bfloat16*>(bs.data_ptr());
   const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   run_mma(aligned_contiguous(x), qw, gs, bp, out, n, k, resolved_variant(M, n, k), la);

@@ -93,8 +93,8 @@ def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
     for m in (1, 3, 8, 9, 16, 17, 32, 40, 64):
         hs, bs, segs = _term(sizes, ranks, m, seed=m)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        if m in (17, 40):  # hs as bf16 (a matmul's shrink, the engine above 16 rows); the kernel takes both
-            hs = hs.to(torch.bfloat16)
+        if m in (9, 17, 40):  # hs as bf16 (a matmul's shrink, the engine above 16 rows; at M <= 16 the host
+            hs = hs.to(torch.bfloat16)  # converts it to the fp32 those instances read)
         for split in splits:
             ext.set_split_override(split)
             outs = {}
@@ -150,7 +150,8 @@ def test_linear_lora_declines_without_launching(settings):
     None and leaves the output untouched: the dequantize path (the large-M threshold lowered under M), more than 64
     rows, rank rows that are not whole 16-row steps, a member boundary inside a 16-row block; ``takes_lora``
     agrees on the first two, and says yes for auto's stream-K choice (the 7B gate/up at M = 8; the term runs in
-    the stream-K kernels in test_linear_lora_against_fp32)."""
+    the stream-K kernels in test_linear_lora_against_fp32). An hs at an odd element offset (fp32 at M = 8, bf16
+    at M = 17: the host copies it to an aligned tensor) gives the aligned one's bits."""
     ext = settings
     n, k = 384, 256
     qw, gs = make_packed(n, k, device="cuda", seed=1)
@@ -172,11 +173,24 @@ def test_linear_lora_declines_without_launching(settings):
     x17 = torch.randn(17, k, device="cuda", dtype=torch.bfloat16)
     hs17, _, _ = _term((256, 64, 64), (16, 16, 16), 17, seed=3)
     assert kernel.takes_lora(17, n, k) and not declined(x17, hs17.to(torch.bfloat16), bs, segs)  # (session 15)
-    kernel.set_large_m_threshold(128)  # the mma kernel would not run 65 rows: linear_lora stops at 64 itself
-    x65 = torch.randn(65, k, device="cuda", dtype=torch.bfloat16)
-    hs65, _, _ = _term((256, 64, 64), (16, 16, 16), 65, seed=3)
-    assert not kernel.takes_lora(65, n, k) and declined(x65, hs65, bs, segs)
-    kernel.set_large_m_threshold(64)
+    # 65 rows where the mma kernel would run them (threshold and cluster limit raised): linear_lora's own limit
+    kernel.set_large_m_threshold(128)
+    cluster_max_m = int(ext.get_cluster_max_m())
+    ext.set_cluster_max_m(128)
+    try:
+        x65 = torch.randn(65, k, device="cuda", dtype=torch.bfloat16)
+        hs65, _, _ = _term((256, 64, 64), (16, 16, 16), 65, seed=3)
+        assert ext.choose_path(65, n, k) == 0 and not kernel.takes_lora(65, n, k) and declined(x65, hs65, bs, segs)
+    finally:
+        ext.set_cluster_max_m(cluster_max_m)
+        kernel.set_large_m_threshold(64)
+    w = layout.dequantize(qw, gs, n, k, torch.float32)
+    for x, h, dt in ((x8, hs, torch.float32), (x17, hs17, torch.bfloat16)):  # hs at an odd element offset
+        h = h.to(dt)
+        odd = torch.empty(h.numel() + 1, device="cuda", dtype=dt)[1:].view(h.shape).copy_(h)
+        a, b_ = kernel.linear_lora(x, qw, gs, n, k, h, bs, segs), kernel.linear_lora(x, qw, gs, n, k, odd, bs, segs)
+        value, bound = _expect(x, w, h, bs, None)
+        assert torch.equal(a, b_) and bool(((a.float() - value).abs() <= bound).all()), dt
     hs6, bs6, segs6 = _term((256, 64, 64), (6, 6, 6), 8, seed=4)
     assert declined(x8, hs6, bs6, segs6)
     hs_b, bs_b, _ = _term((248, 72, 64), (16, 16, 16), 8, seed=5)

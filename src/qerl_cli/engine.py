@@ -303,8 +303,9 @@ def _lora_add(y: torch.Tensor, x: torch.Tensor, terms: tuple[torch.Tensor, torch
     epilogue where the dtypes agree (peft's fp32 factors on bf16 activations without autocast: added after).
     ``kernels``: no-grad bf16 CUDA calls of at most ``fused.LORA_MAX_ROWS`` rows (decode steps) and outputs at
     most ``fused.LORA_KERNEL_MAX_N`` wide run the two fused kernels of ``fused.lora_add`` instead of the matmuls.
-    ``shrunk``: ``bf16(x @ A^T)`` already made (fp32 ``[rows, R]``, by the fused kernel that made ``x``): only
-    the expand is left (bf16 tensors, no grad, no autocast)."""
+    ``shrunk``: ``bf16(x @ A^T)`` already made (``[rows, R]``: fp32 from the fused kernel that made ``x``, or
+    bf16 from a matmul above ``fused.LORA_MAX_ROWS`` rows): only the expand is left (bf16 tensors, no grad, no
+    autocast)."""
     a, bs, segs = terms
     auto = torch.is_autocast_enabled(x.device.type)
     y2 = y.reshape(-1, y.shape[-1])
