@@ -259,8 +259,9 @@ __device__ __forceinline__ void ordered_slot_sum(const float* ws, int total, int
 // A LoRA term inside the small-M kernels (decode steps; session 14): out = x W^T + hs @ bs (+ bias), with hs
 // [M, R] holding bf16 values (the shrink bf16(x @ a^T)): fp32 in the instances for M <= 16 (as the kernels before
 // make it: add + RMSNorm, SiLU·mul or fused.lora_shrink), bf16 in those for 16 < M <= 64 (session 15: a
-// matmul's output; one load path per instance keeps the small ones' registers as they were) and bs [R, N] bf16 (B^T times the scaling; block-diagonal for a fused group: the columns
-// below col_end[i] read only rank rows [rbeg[i], rend[i])). A 16-row block's rank rows are MMAs of their own (bs
+// matmul's output; one load path per instance keeps the small ones' registers as they were) and bs [R, N] bf16
+// (B^T times the scaling; block-diagonal for a fused group: the columns below col_end[i] read only rank rows
+// [rbeg[i], rend[i])). A 16-row block's rank rows are MMAs of their own (bs
 // as the A operand, hs as B, straight from global memory: L2-resident and small), after the K loop (the weight
 // tiles' registers are free then), summed in fp32 and added, scaled by G / 2^62, to the accumulators of the last
 // K split (nvfp4_mma_kernel) or of the segment that ends the row group's K range (nvfp4_mma_v2_kernel) before the
