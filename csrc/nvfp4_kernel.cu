@@ -1422,9 +1422,8 @@ bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   // the instance's hs dtype (kLoraAugFp32MaxTG; exact either way, as hs holds bf16 values); fresh tensors are
   // aligned for the kernel's 8-byte (fp32 pair) and 4-byte (bf16 pair) loads
   const bool want_bf16 = M > 8 * kLoraAugFp32MaxTG;
-  at::Tensor hk = hs.scalar_type() == (want_bf16 ? at::kBFloat16 : at::kFloat) ? hs
-                                                                                 : hs.to(want_bf16 ? at::kBFloat16 : at::kFloat);
-  if (reinterpret_cast<uintptr_t>(hk.data_ptr()) % (want_bf16 ? 4 : 8) != 0) hk = hk.clone();
+  at::Tensor hk = hs.to(want_bf16 ? at::kBFloat16 : at::kFloat);  // (hs itself where it already is)
+  if (reinterpret_cast<uintptr_t>(hk.data_ptr()) % (2 * hk.element_size()) != 0) hk = hk.clone();
   la.h = hk.data_ptr();
   la.h_bf16 = want_bf16 ? 1 : 0;
   la.b = reinterpret_cast<const __nv_bfloat16*>(bs.data_ptr());
