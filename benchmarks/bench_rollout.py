@@ -83,8 +83,9 @@ def random_lora(model, rank: int) -> LoRA:
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
-                **engine_kw) -> dict:
+                decode_attn=True, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    eng.decode_attn = decode_attn
     if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
         eng.set_noise(sigma, 0, noise_scope, batch if noise_scope == "group" else 1, 1)
     eng.fused_sampler = fused_sampler
@@ -216,6 +217,10 @@ def main() -> None:
                     help="comma-separated batch sizes (e.g. 8,32,64): 7B shapes, 256 -> 512 tokens, our engine "
                          "bf16 with a rank-32 adapter on every projection, NVFP4 without and with it (terms in the "
                          "kernel against outside, interleaved): the rollout batches of RL (prompts x group)")
+    ap.add_argument("--decode-attn", action="store_true",
+                    help="7B shapes, 256 -> 512 tokens: decode steps attending with fused.decode_attn (the default) "
+                         "against SDPA, interleaved: NVFP4 at batch 8 and 64 twice, bf16 and NVFP4 + rank-32 "
+                         "adapter at batch 8 once")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -259,6 +264,8 @@ def main() -> None:
         sampler_part(result, rows, save)
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
+    elif args.decode_attn:
+        attn_part(rows, save)
     elif args.rl_batches:
         rl_part(rows, save, [int(b) for b in args.rl_batches.split(",") if b.strip()])
     elif args.lora_only:
@@ -414,6 +421,30 @@ def lora_part(result, rows, save, profile: bool = False) -> None:
             result["qwen7b_nvfp4_lora32_decode_profile_b8"] = profile_decode(big, 8, 256, 152064, lora_rank=32)
         except Exception as e:  # a diagnosis: never lose the throughput rows to it
             result["qwen7b_nvfp4_lora32_decode_profile_b8"] = {"error": repr(e)}
+        save()
+
+
+def attn_part(rows, save) -> None:
+    """Decode attention in our kernel (fused.decode_attn, the engine's default) against SDPA: 7B shapes, 256 ->
+    512 tokens; bf16 at batch 8, then NVFP4 (the same weights packed) at batch 8 and 64 interleaved twice, and
+    with a rank-32 adapter at batch 8."""
+    big = random_model(qwen7b_config())
+    for on in (True, False):
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16" + ("" if on else " sdpa"), "batch": 8,
+                     **time_engine(big, 8, 256, 512, 152064, decode_attn=on)})
+        save()
+    big = pack_model_inplace(big)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for batch in (8, 64):
+        for _ in range(2):
+            for on in (True, False):
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " sdpa"),
+                             "batch": batch, **time_engine(big, batch, 256, 512, 152064, decode_attn=on)})
+                save()
+    for on in (True, False):
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + ("" if on else " sdpa"), "batch": 8,
+                     **time_engine(big, 8, 256, 512, 152064, lora_rank=32, decode_attn=on)})
         save()
 
 

@@ -500,6 +500,8 @@ __global__ void rope_kv_kernel(const bf16* __restrict__ y, int64_t y_stride, con
   st8(dst + hi, oh);
 }
 
+#include "decode_attn.cuh"
+
 // ---------------------------------------------------------------------------------------------------------
 // One decode step's sampling from fp32 logits [rows, V] at temperature T without truncation (no top-k / top-p),
 // with the step's bookkeeping, in one kernel instead of about fifteen torch ops:
@@ -958,6 +960,86 @@ bool lora_expand(const at::Tensor& hs, const at::Tensor& y, const at::Tensor& bs
   return true;
 }
 
+// one self-resetting ticket per (row, KV head) pair for decode_attn_kernel, per (device, stream) (launches on one
+// stream are serialized, so they can share it)
+int* attn_tickets(const at::Tensor& like) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  const int dev = like.get_device();
+  const auto key = std::make_pair(dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, at::zeros({kAttnMaxPairs}, like.options().dtype(at::kInt))).first;
+  return it->second.data_ptr<int>();
+}
+
+int sm_count(int dev) {
+  static int count[64] = {0};  // (benign race: every writer stores the same value)
+  int sms = dev >= 0 && dev < 64 ? count[dev] : 0;
+  if (sms == 0) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (dev >= 0 && dev < 64) count[dev] = sms;
+  }
+  return sms;
+}
+
+template <int D>
+void launch_decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
+                        const at::Tensor& slot, at::Tensor& out, int64_t splits, double scale) {
+  const int dev = q.get_device();
+  static bool raised[64] = {false};  // the instance's shared-memory limit, once per device (the size is fixed)
+  if (dev >= 0 && dev < 64 && !raised[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(AttnCfg<D>::kSmem)));
+    raised[dev] = true;
+  }
+  const int64_t B = q.size(0), KV = kc.size(1), group = q.size(1) / KV;
+  at::Tensor ws = splits > 1 ? at::empty({B * KV * splits * kAttnRecord}, q.options().dtype(at::kFloat)) : at::Tensor();
+  C10_CUDA_CHECK(qerl_pdl::launch(
+      decode_attn_kernel<D>, dim3(static_cast<unsigned>(splits), static_cast<unsigned>(KV), static_cast<unsigned>(B)),
+      dim3(kAttnThreads), AttnCfg<D>::kSmem, c10::cuda::getCurrentCUDAStream().stream(), dev, cptr(q), cptr(kc),
+      cptr(vc), key_mask.data_ptr<bool>(), key_mask.stride(0), slot.data_ptr<int64_t>(), mptr(out),
+      splits > 1 ? ws.data_ptr<float>() : nullptr, attn_tickets(q), static_cast<int>(KV), static_cast<int>(group),
+      kc.size(2), static_cast<float>(scale * 1.4426950408889634)));
+}
+
+// out [B, H * D] (any shape of that many elements, contiguous bf16) = one decode step's attention (see
+// csrc/decode_attn.cuh): q [B, H, 1, D] and the caches [B, KV, S, D] contiguous bf16, key_mask [B, >= S] bool with
+// unit column stride, slot one int64 on the device (the step's slot: slots [0, slot] are attended). False
+// (nothing launched) where the kernel does not take the tensors: D not 64 or 128, more than 8 query heads per KV
+// head, more than 256 * (16384 / D) slots, more than 65,536 (row, KV head) pairs.
+bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
+                 const at::Tensor& slot, at::Tensor& out, double scale) {
+  const int dev = q.get_device();
+  auto bf = [&](const at::Tensor& t) {
+    return t.is_cuda() && t.get_device() == dev && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  if (!bf(q) || !bf(kc) || !bf(vc) || !bf(out) || q.dim() != 4 || kc.dim() != 4 || kc.sizes() != vc.sizes())
+    return false;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = kc.size(1), S = kc.size(2);
+  if (q.size(2) != 1 || kc.size(0) != B || kc.size(3) != D || (D != 64 && D != 128) || KV < 1 || H % KV != 0 ||
+      H / KV > kAttnMaxGroup || out.numel() != B * H * D || B < 1 || B > 65535 || B * KV > kAttnMaxPairs || S < 1)
+    return false;
+  if (!key_mask.is_cuda() || key_mask.get_device() != dev || key_mask.scalar_type() != at::kBool ||
+      key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) < S || key_mask.stride(1) != 1 ||
+      !slot.is_cuda() || slot.get_device() != dev || slot.scalar_type() != at::kLong || slot.numel() != 1)
+    return false;
+  const int64_t max_chunk = D == 128 ? AttnCfg<128>::kMaxChunk : AttnCfg<64>::kMaxChunk;
+  const int64_t need = (S + max_chunk - 1) / max_chunk;  // splits that keep every block's slots in its buffers
+  if (need > kAttnMaxSplits) return false;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t pairs = B * KV;
+  // about two blocks per SM, at least 32 slots each
+  const int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);
+  const int64_t splits = std::min<int64_t>(std::max<int64_t>({need, want, int64_t(1)}), kAttnMaxSplits);
+  if (D == 128)
+    launch_decode_attn<128>(q, kc, vc, key_mask, slot, out, splits, scale);
+  else
+    launch_decode_attn<64>(q, kc, vc, key_mask, slot, out, splits, scale);
+  return true;
+}
+
 // one self-resetting ticket per row for sample_step_kernel, per (device, stream) (launches on one stream are
 // serialized, so they can share it)
 int* sample_counters(const at::Tensor& like) {
@@ -994,12 +1076,7 @@ bool sample_step(const at::Tensor& logits, double temperature, int64_t seed, int
       step >= out.size(1) || eos.numel() > 1024)
     return false;
   const c10::cuda::CUDAGuard guard(logits.device());
-  static int sm_count[64] = {0};  // (benign race: every writer stores the same value)
-  int sms = dev >= 0 && dev < 64 ? sm_count[dev] : 0;
-  if (sms == 0) {
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (dev >= 0 && dev < 64) sm_count[dev] = sms;
-  }
+  const int sms = sm_count(dev);
   // about four blocks per SM, each slice at least 1,024 tokens, a multiple of 4 (one Philox block)
   int64_t S = std::min<int64_t>({(4 * sms + rows - 1) / rows, (V + 1023) / 1024, (int64_t)kSampleMaxSplit});
   S = std::max<int64_t>(S, 1);
@@ -1045,6 +1122,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_step", &qerl_fused::sample_step,
         "one decode step's sampling at temperature T without truncation (Gumbel-max, Philox) with its bookkeeping; "
         "false when the kernel does not take the tensors");
+  m.def("decode_attn", &qerl_fused::decode_attn,
+        "one decode step's attention over the KV cache (slots up to the step's, key mask); false when the kernel "
+        "does not take the tensors",
+        py::arg("q"), py::arg("kc"), py::arg("vc"), py::arg("key_mask"), py::arg("slot"), py::arg("out"),
+        py::arg("scale"));
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; }, "programmatic dependent launch on/off");
 }
 #endif

@@ -491,6 +491,10 @@ class Engine:
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
         # torch ops; QERL_ENGINE_FUSED_SAMPLER=0 (or False) keeps torch's multinomial
         self.fused_sampler = os.environ.get("QERL_ENGINE_FUSED_SAMPLER", "1") != "0"
+        # with the fused kernels on, decode steps (one token per row, q from the rotary + KV-write kernel, no
+        # sliding window) attend with fused.decode_attn: the slots up to the step's only, each KV head's cache read
+        # once for its query heads, no additive mask built; QERL_ENGINE_DECODE_ATTN=0 (or False) keeps SDPA
+        self.decode_attn = os.environ.get("QERL_ENGINE_DECODE_ATTN", "1") != "0"
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -648,18 +652,12 @@ class Engine:
         else:
             s_len, base = cache[0][0].shape[2] if attend is None else attend, write_at
             key_mask = key_mask[:, :s_len]
-        slots = torch.arange(s_len, device=ids.device)
         qpos = base + torch.arange(t, device=ids.device)
-        causal = slots[None, :] <= qpos[:, None]
-        if self.window is not None:  # (a row's slots and positions differ by its left padding only)
-            causal = causal & (qpos[:, None] - slots[None, :] < self.window)
-        # every query also sees its own slot: a left-padding query would otherwise see nothing (NaN); real
-        # queries see their own slot anyway
-        mask = (causal[None, None] & key_mask[:, None, None, :]) | (slots[None, :] == qpos[:, None])[None, None]
         ckpt = self.grad_checkpoint and cache is None and torch.is_grad_enabled()
         kernels = self._use_kernels(h)
-        if kernels:  # the additive form once per forward, not a bool -> float conversion in every layer
-            mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        # a decode step through fused.decode_attn needs no mask (should the kernel decline, _attention builds it)
+        dattn = kernels and cache is not None and t == 1 and attend is None and self._decode_attn_ok()
+        mask = None if dattn else self._mask(key_mask, s_len, qpos, h.dtype if kernels else None)
         pending = None  # with the kernels, each layer's MLP output is added inside the next layer's norm
         for i in range(len(self.layers)):
             nw = norms[i]
@@ -670,13 +668,37 @@ class Engine:
                 h = torch.utils.checkpoint.checkpoint(self._layer, i, h, w_in, w_post, cos, sin, mask, None, None,
                                                       use_reentrant=False)
             elif kernels:
-                h, pending = self._layer_kernels(i, h, pending, w_in, w_post, cos, sin, mask, cache, qpos)
+                h, pending = self._layer_kernels(i, h, pending, w_in, w_post, cos, sin, mask, cache, qpos,
+                                                 key_mask if dattn else None)
             else:
                 h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, qpos)
         if pending is not None:
             h = h + pending
         h = _rms_norm(h, self.final_norm, self.eps)
         return h if hidden_only else self.lm_head(h)
+
+    def _mask(self, key_mask: torch.Tensor, s_len: int, qpos: torch.Tensor, additive: torch.dtype | None
+              ) -> torch.Tensor:
+        """The attention mask ``[B, 1, T, s_len]`` of queries at slots ``qpos`` over the first ``s_len`` slots:
+        causal, ``key_mask``, the sliding window; bool, or additive (0 / -inf) in dtype ``additive``."""
+        slots = torch.arange(s_len, device=qpos.device)
+        causal = slots[None, :] <= qpos[:, None]
+        if self.window is not None:  # (a row's slots and positions differ by its left padding only)
+            causal = causal & (qpos[:, None] - slots[None, :] < self.window)
+        # every query also sees its own slot: a left-padding query would otherwise see nothing (NaN); real
+        # queries see their own slot anyway
+        mask = (causal[None, None] & key_mask[:, None, None, :]) | (slots[None, :] == qpos[:, None])[None, None]
+        if additive is None:
+            return mask
+        # (with the kernels: the additive form once per forward, not a bool -> float conversion in every layer)
+        return torch.zeros(mask.shape, dtype=additive, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+    def _decode_attn_ok(self) -> bool:
+        """Whether decode steps attend with ``fused.decode_attn`` (q from the rotary + KV-write kernel, shapes the
+        kernel takes; it may still decline a call, e.g. for a cache of more slots than it takes)."""
+        return (self.decode_attn and self.window is None and self.qk_norm is None and self.head_dim in (64, 128)
+                and self.n_heads % self.n_kv == 0 and self.n_heads // self.n_kv <= 8
+                and all(f.get("qkv") is not None for f in self.fused) and _fk.available())
 
     def _layer(self, i: int, h: torch.Tensor, w_in: torch.Tensor, w_post: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, mask: torch.Tensor, cache, slots: torch.Tensor | None) -> torch.Tensor:
@@ -702,12 +724,13 @@ class Engine:
             return self._linear(mlp.down_proj, pre + "down_proj", silu_mul(g, u))
         return self._linear(mlp.down_proj, pre + "down_proj", made[0], made[1])
 
-    def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache,
-                   slots: torch.Tensor | None, ops: _Ops, kernels: bool = False,
-                   shrunk: torch.Tensor | None = None) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                   cache, slots: torch.Tensor | None, ops: _Ops, kernels: bool = False,
+                   shrunk: torch.Tensor | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The attention half of layer ``i`` on normed ``x``: q/k/v, rotary, KV-cache write, SDPA, o_proj.
         ``kernels``: rotary and the cache write of a fused q/k/v in one fused kernel where possible. ``shrunk``:
-        the fused q/k/v's LoRA shrink already made."""
+        the fused q/k/v's LoRA shrink already made. ``key_mask`` (a decode step, ``mask`` None): attention by
+        ``fused.decode_attn`` over the cache slots up to ``slots[0]`` that ``key_mask`` allows."""
         b, t, _ = x.shape
         attn, pre = self.layers[i].self_attn, f"model.layers.{i}."
         f = self.fused[i].get("qkv")
@@ -715,6 +738,10 @@ class Engine:
         if kernels and f is not None and cache is not None and self.head_dim % 16 == 0 and qkn is None:
             kc, vc = cache[i]
             q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
+            if key_mask is not None and t == 1:
+                o = _fk.decode_attn(q, kc, vc, key_mask, slots[:1])
+                if o is not None:
+                    return self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
             k, v = kc, vc
         elif f is not None:  # q and k are adjacent in the fused output: one rotary pass over all their heads
             y = self._fused_out(f, x, shrunk)
@@ -741,6 +768,8 @@ class Engine:
             if k is not kc:  # (the fused kernel has written them already)
                 kc.index_copy_(2, slots, k.to(kc.dtype))  # slots: this call's T cache slots (one per forward)
                 vc.index_copy_(2, slots, v.to(vc.dtype))
+            if mask is None:  # (fused.decode_attn declined this step)
+                mask = self._mask(key_mask, kc.shape[2], slots, x.dtype)
             n = mask.shape[-1]  # the slots this forward can attend to (fewer than the cache in a prefill)
             k, v = (kc, vc) if n == kc.shape[2] else (kc[:, :, :n], vc[:, :, :n])
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
@@ -751,15 +780,16 @@ class Engine:
         return self._kernels and not torch.is_grad_enabled() and h.is_cuda and h.dtype == torch.bfloat16
 
     def _layer_kernels(self, i: int, h: torch.Tensor, pending: torch.Tensor | None, w_in: torch.Tensor,
-                       w_post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache,
-                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       w_post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache,
+                       slots: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``_layer`` with the fused kernels (no grad, CUDA, bf16): the residual add of the previous layer's MLP
         output (``pending``) inside this layer's input norm, rotary + KV-cache write in one kernel, SiLU·mul in
         one. Returns the residual stream and this layer's MLP output, not yet added."""
         t_qkv, t_gu = (self._shrink_terms(self.fused[i].get(k), h) for k in ("qkv", "gate_up"))
         t_down = self._shrink_terms(self.layers[i].mlp.down_proj, h)
         h, x, s_qkv = self._add_norm(h, pending, w_in, t_qkv)
-        o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True, shrunk=s_qkv)
+        o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True, shrunk=s_qkv,
+                            key_mask=key_mask)
         h, x, s_gu = self._add_norm(h, o, w_post, t_gu)
         return h, self._mlp(i, x, _silu_mul_kernel, s_gu, t_down)
 

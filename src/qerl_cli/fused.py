@@ -8,6 +8,9 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
 * ``silu_mul(g, u)`` -> ``silu(g) * u`` on the strided halves of a fused gate/up output, one kernel;
 * ``rope_kv(y, cos, sin, kc, vc, slot0, n_heads)`` -> q with rotary applied ``[B, H, T, D]``; k (rotary
   applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
+* ``decode_attn(q, kc, vc, key_mask, slot)`` -> one decode step's attention over the KV cache: the slots up to
+  the step's whose key-mask entry is set, the G query heads of a KV head served by one read of its cache rows
+  (SDPA reads every head's cache and every slot under an additive mask);
 * ``lora_add(y, x, a, bs)`` -> ``y + bf16(x @ a^T) @ bs`` (a batched LoRA term) for decode steps of at most 16
   rows, in two small kernels instead of two cuBLAS matmuls (None where the shapes need the matmuls); the engine
   uses it for outputs up to ``LORA_KERNEL_MAX_N`` wide (``QERL_ENGINE_LORA_KERNELS=0``: never);
@@ -37,8 +40,8 @@ import torch
 
 from . import kernel
 
-__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "lora_add", "add_norm_shrink",
-           "silu_mul_shrink", "lora_expand", "lora_shrink", "sample_step", "LORA_MAX_ROWS"]
+__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "decode_attn", "lora_add",
+           "add_norm_shrink", "silu_mul_shrink", "lora_expand", "lora_shrink", "sample_step", "LORA_MAX_ROWS"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
 LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
@@ -207,6 +210,20 @@ def rope_kv(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Ten
     _load().rope_kv(y.reshape(b * t, -1), cos.reshape(b * t, d), sin.reshape(b * t, d), q, kc, vc,
                     slot0.reshape(1), t)
     return q
+
+
+def decode_attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_mask: torch.Tensor, slot: torch.Tensor,
+                scale: float | None = None) -> torch.Tensor | None:
+    """One decode step's attention ``[B, 1, H * D]`` (bf16) for ``q [B, H, 1, D]`` over the caches ``[B, KV, S, D]``
+    (contiguous bf16; query head ``h`` reads KV head ``h // (H / KV)``): the slots ``0 ... slot`` (``slot``: one int64
+    on the device, so a CUDA graph replays the step for a new slot) whose ``key_mask [B, >= S]`` entry is set, the
+    step's own slot always; scores scaled by ``scale`` (default ``D ** -0.5``). fp32 scores, softmax and sums, one
+    bf16 rounding. None (nothing computed) where the kernel does not take the tensors (D not 64 or 128, more than
+    8 query heads per KV head, too many slots or rows)."""
+    b, h, _, d = q.shape
+    out = torch.empty((b, 1, h * d), dtype=q.dtype, device=q.device)
+    ok = _load().decode_attn(q, kc, vc, key_mask, slot.reshape(1), out, float(d ** -0.5 if scale is None else scale))
+    return out if ok else None
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: torch.Tensor,

@@ -1,0 +1,176 @@
+"""One decode step's attention kernel (fused.decode_attn, csrc/decode_attn.cuh) against an fp32 reference, its
+declines, its determinism and CUDA-graph replay, and the engine with it against the engine with SDPA. Skipped
+without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qerl_cli import fused
+from qerl_cli.engine import Engine, SamplingConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert fused.available(), f"fused kernels failed to build: {fused.build_error()}"
+
+
+def _case(b, h, kv, d, s_len, slot, seed=0):
+    """q, caches, key mask (left padding of a different length per row), slot; the slots after ``slot`` hold NaN
+    (never attended: a kernel that reads them fails), masked slots hold large finite keys (they would dominate)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, 1, d, device="cuda", generator=g).bfloat16()
+    kc = torch.randn(b, kv, s_len, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(b, kv, s_len, d, device="cuda", generator=g).bfloat16()
+    key_mask = torch.ones(b, s_len + 5, dtype=torch.bool, device="cuda")  # (wider than the cache: allowed)
+    for i in range(b):
+        pad = (i * 37) % (slot + 1)  # row i's left padding: slots [0, pad)
+        key_mask[i, :pad] = False
+        kc[i, :, :pad] = 30.0
+    kc[:, :, slot + 1:] = float("nan")
+    vc[:, :, slot + 1:] = float("nan")
+    return q, kc, vc, key_mask, torch.tensor([slot], device="cuda")
+
+
+def _reference(q, kc, vc, key_mask, slot):
+    """fp32 attention of the step: slots [0, slot] allowed by key_mask, the own slot always."""
+    b, h, _, d = q.shape
+    kv, n = kc.shape[1], int(slot) + 1
+    k = kc[:, :, :n].float().repeat_interleave(h // kv, 1)
+    v = vc[:, :, :n].float().repeat_interleave(h // kv, 1)
+    s = (q.float() @ k.transpose(-1, -2)) * d ** -0.5  # [b, h, 1, n]
+    allowed = key_mask[:, :n].clone()
+    allowed[:, n - 1] = True
+    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    return (s.softmax(-1) @ v).reshape(b, 1, h * d)
+
+
+def _run(q, kc, vc, key_mask, slot):
+    """The extension called on a NaN-poisoned output (every element must be written)."""
+    b, h, _, d = q.shape
+    out = torch.full((b, 1, h * d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert fused._load().decode_attn(q, kc, vc, key_mask, slot, out, d ** -0.5)
+    return out
+
+
+@pytest.mark.parametrize("b,h,kv,d,s_len,slot", [
+    (8, 28, 4, 128, 768, 300),     # Qwen2.5-7B, batch 8: several splits
+    (8, 28, 4, 128, 768, 767),     # the last slot of the cache
+    (64, 28, 4, 128, 768, 511),    # batch 64
+    (3, 9, 3, 64, 384, 200),       # SmolLM2-135M (head_dim 64, 3 query heads per KV head)
+    (2, 8, 8, 128, 64, 0),         # one query head per KV head, only the own slot
+    (5, 14, 2, 64, 4096, 4000),    # Qwen2.5-0.5B shape, a long cache
+    (1, 40, 8, 128, 2048, 1500),   # Qwen2.5-32B shape (5 per KV head)
+    (2, 16, 2, 128, 32768, 20000), # the most slots the kernel takes at head_dim 128 (256 splits of 128)
+])
+def test_decode_attn_against_fp32(b, h, kv, d, s_len, slot):
+    """Within one bf16 rounding of the fp32 attention (fp32 scores, softmax, sums; output rounded once), where
+    SDPA rounds its probabilities to bf16 too; every output written, slots after the step's never read."""
+    q, kc, vc, key_mask, sl = _case(b, h, kv, d, s_len, slot)
+    out = _run(q, kc, vc, key_mask, sl)
+    ref = _reference(q, kc, vc, key_mask, slot)
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs()
+    assert float((err - 2**-8 * ref.abs()).max()) <= 1e-5, float(err.max())
+    # and no further from the reference than SDPA over the slots it may see (bf16 probabilities)
+    n = slot + 1
+    allowed = key_mask[:, :n].clone()
+    allowed[:, n - 1] = True
+    add = torch.zeros(b, 1, 1, n, dtype=torch.bfloat16, device="cuda").masked_fill(~allowed[:, None, None], float("-inf"))
+    sdpa = F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], attn_mask=add, enable_gqa=kv != h)
+    sdpa_err = float((sdpa.transpose(1, 2).reshape(b, 1, h * d).float() - ref).abs().max())
+    assert float(err.max()) <= sdpa_err + 1e-3
+
+
+def test_decode_attn_deterministic_and_graph_replay():
+    """The same bits on every call (the split partials are added in split order; the tickets reset), and a CUDA
+    graph captured at one slot replays for another slot as an eager call there."""
+    q, kc, vc, key_mask, sl = _case(8, 28, 4, 128, 768, 700, seed=1)
+    kc = kc.nan_to_num(0.5)
+    vc = vc.nan_to_num(0.5)
+    first = fused.decode_attn(q, kc, vc, key_mask, sl)
+    for _ in range(3):
+        assert torch.equal(fused.decode_attn(q, kc, vc, key_mask, sl), first)
+    slot = torch.tensor([257], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused.decode_attn(q, kc, vc, key_mask, slot)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused.decode_attn(q, kc, vc, key_mask, slot)
+    for s in (257, 300, 511, 700, 767):
+        slot.fill_(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, fused.decode_attn(q, kc, vc, key_mask, torch.tensor([s], device="cuda"))), s
+    assert torch.equal(captured, first)  # (the last replay was at slot 700)
+
+
+def test_decode_attn_declines_what_it_does_not_take():
+    q, kc, vc, key_mask, sl = _case(2, 8, 2, 128, 64, 10)
+    assert fused.decode_attn(q[..., :96].contiguous(), kc[..., :96].contiguous(), vc[..., :96].contiguous(),
+                             key_mask, sl) is None  # head_dim 96
+    q9 = torch.randn(2, 18, 1, 128, device="cuda").bfloat16()
+    assert fused.decode_attn(q9, kc, vc, key_mask, sl) is None  # 9 query heads per KV head
+    assert fused.decode_attn(q, kc, vc, key_mask.float(), sl) is None  # a float mask
+    assert fused.decode_attn(q, kc, vc, key_mask[:, :30], sl) is None  # a mask shorter than the cache
+    assert fused.decode_attn(q.expand(2, 8, 1, 128).transpose(0, 1).contiguous().transpose(0, 1), kc, vc, key_mask,
+                             sl) is None  # not contiguous
+    assert fused.decode_attn(q, kc, vc, key_mask, sl.int()) is None  # an int32 slot
+    big = torch.zeros(1, 1, 256 * 128 + 1, 128, dtype=torch.bfloat16, device="cuda")
+    assert fused.decode_attn(q[:1, :2], big, big, torch.ones(1, big.shape[2], dtype=torch.bool, device="cuda"),
+                             sl) is None  # more slots than 256 splits of 128
+
+
+@pytest.fixture(scope="module")
+def model64():
+    """A tiny Llama with head_dim 64 (the kernel's; the fused tests' model has 32) and 4 query heads per KV head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    conf = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.08)
+    return LlamaForCausalLM(conf).to("cuda", torch.bfloat16).eval()
+
+
+PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
+
+
+def test_engine_decode_attn_same_policy(model64, monkeypatch):
+    """The engine's decode steps with the kernel (counted) against SDPA: greedy tokens agreeing, sampled tokens'
+    behaviour log-probs against a teacher-forced forward within the bounds of the SDPA engine; a declined call
+    falls back to SDPA with the mask built on the spot (the same tokens as SDPA)."""
+    calls = []
+    real = fused.decode_attn
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fused, "decode_attn", counted)
+    on, off = Engine(model64, "cuda"), Engine(model64, "cuda")
+    off.decode_attn = False
+    assert on._decode_attn_ok() and not off._decode_attn_ok()
+    cfg = SamplingConfig(temperature=0, max_new_tokens=16)
+    a = on.generate(PROMPTS, 2, cfg, 0, set(), 0)
+    assert calls, "the decode steps never called fused.decode_attn"
+    n_on = len(calls)
+    b = off.generate(PROMPTS, 2, cfg, 0, set(), 0)
+    assert len(calls) == n_on  # SDPA engine: no call
+    assert float((a.completion_ids[:, :4] == b.completion_ids[:, :4]).float().mean()) >= 0.75
+    eager = Engine(model64, "cuda", cuda_graph=False).generate(PROMPTS, 2, cfg, 0, set(), 0)
+    assert torch.equal(a.completion_ids, eager.completion_ids)
+    s = on.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)
+    with torch.no_grad():
+        lp = on.sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0, group=4).float()
+    beh = (lp.cpu() - s.behaviour_logprobs).abs()[s.completion_mask]
+    assert torch.isfinite(beh).all() and float(beh.max()) < 0.25 and float(beh.mean()) < 0.03
+    monkeypatch.setattr(fused, "decode_attn", lambda *a, **k: None)  # the kernel declines every call
+    declined = Engine(model64, "cuda").generate(PROMPTS, 2, cfg, 0, set(), 0)
+    assert torch.equal(declined.completion_ids, b.completion_ids)
