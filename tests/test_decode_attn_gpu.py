@@ -174,3 +174,18 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch):
     monkeypatch.setattr(fused, "decode_attn", lambda *a, **k: None)  # the kernel declines every call
     declined = Engine(model64, "cuda").generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert torch.equal(declined.completion_ids, b.completion_ids)
+
+
+def test_rope_table_rows_are_the_rotary_modules_bits(model64):
+    """The engine's cos / sin table (made once per rollout, gathered per decode step) holds, at every position,
+    the bits the model's rotary module gives for it; a forward with a cache longer than the table uses the module."""
+    eng = Engine(model64, "cuda")
+    eng._rope_table(300)
+    assert eng._rope_tab is not None and eng._rope_tab.shape[0] >= 300
+    pos = torch.randint(0, 300, (4, 7), device="cuda")
+    x = torch.empty(0, dtype=torch.bfloat16, device="cuda")
+    cos, sin = eng.rotary(x, pos)
+    c2, s2 = eng._cos_sin(x, pos, [(torch.empty(1, 1, 300, 1), None)])
+    assert torch.equal(cos, c2) and torch.equal(sin, s2)
+    c3, _ = eng._cos_sin(x, pos, [(torch.empty(1, 1, 301, 1), None)])  # a cache longer than the table: the module
+    assert torch.equal(cos, c3)

@@ -435,6 +435,7 @@ class Engine:
         self.final_norm = model.model.norm.weight.detach()
         self.lm_head = model.lm_head
         self.rotary = model.model.rotary_emb
+        self._rope_tab: torch.Tensor | None = None  # [P, 2, head_dim]: cos, sin of positions 0 ... P - 1 (_rope_table)
         self.clean = [{t: getattr(layer, t).weight.detach().clone() for t in NoiseState.targets}
                       for layer in self.layers]
         folds = getattr(model, "qerl_norm_folding", None) or {}
@@ -645,7 +646,7 @@ class Engine:
         queries never see later slots): attention is computed over those alone, not the whole cache."""
         b, t = ids.shape
         h = self.embed(ids)
-        cos, sin = self.rotary(h, pos)  # [B, T, head_dim]
+        cos, sin = self._cos_sin(h, pos, cache)  # [B, T, head_dim]
         norms = self.effective_norm_weights()
         if cache is None:
             s_len, base = t, torch.zeros((), dtype=torch.long, device=ids.device)
@@ -672,10 +673,37 @@ class Engine:
                                                  key_mask if dattn else None)
             else:
                 h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, qpos)
-        if pending is not None:
-            h = h + pending
-        h = _rms_norm(h, self.final_norm, self.eps)
+        if kernels:  # the last MLP output's residual add and the final norm in one fused kernel
+            h = _fk.add_norm(h, pending, self.final_norm, self.eps)[1]
+        else:
+            h = _rms_norm(h if pending is None else h + pending, self.final_norm, self.eps)
         return h if hidden_only else self.lm_head(h)
+
+    def _rope_table(self, n: int) -> None:
+        """Make the table of cos / sin for positions ``0 ... n - 1`` (at least) where the model's rotary embedding
+        is static (rope types default, linear, llama3), on CUDA: the module itself on every position at once, the
+        same elementwise kernels as per call, so a row is bit-identical to the module's output at that position. Called before
+        a rollout's forwards (never inside a CUDA-graph capture); a decode step then gathers its rows in one
+        kernel instead of the module's eight or so."""
+        if self.device.type != "cuda" or getattr(self.rotary, "rope_type", None) not in ("default", "linear", "llama3"):
+            return  # (on CPU a long tensor's cos can take another vector path than a short one's: not the same bits)
+        tab = self._rope_tab
+        if tab is not None and tab.shape[0] >= n and tab.device == self.device and tab.dtype == self.dtype:
+            return
+        pos = torch.arange(max(n, 1), device=self.device)[None]
+        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=self.device), pos)
+        self._rope_tab = torch.stack([cos[0], sin[0]], 1)
+
+    def _cos_sin(self, h: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, T, head_dim]`` at positions ``pos``: rows of the table of ``_rope_table`` for a forward
+        with a cache of no more slots than the table has rows (a position never exceeds its slot), else the
+        rotary module."""
+        tab = self._rope_tab
+        if (cache is None or tab is None or tab.shape[0] < cache[0][0].shape[2] or tab.device != h.device
+                or tab.dtype != h.dtype):
+            return self.rotary(h, pos)
+        cs = tab[pos]  # [B, T, 2, D]
+        return cs[..., 0, :], cs[..., 1, :]
 
     def _mask(self, key_mask: torch.Tensor, s_len: int, qpos: torch.Tensor, additive: torch.dtype | None
               ) -> torch.Tensor:
@@ -963,6 +991,7 @@ class Engine:
         pos = (pmask.long().cumsum(1) - 1).clamp(min=0)
         key_mask = torch.ones(b, slots, dtype=torch.bool, device=dev)
         key_mask[:, :p_len] = pmask
+        self._rope_table(slots)
         sync()
         t0 = time.perf_counter()
         cache = self._new_cache(b, slots)
