@@ -812,17 +812,27 @@ void rope_kv(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, 
                                    static_cast<int>(d), kc.size(2)));
 }
 
-// one self-resetting ticket buffer per (device, stream) for lora_shrink_kernel: launches on one stream are
-// serialized (each waits for the one before it), so they can share it
+// The self-resetting tickets of lora_shrink_kernel and decode_attn_kernel: __device__ arrays, zero from the module's
+// load on each device, and every launch leaves them zero. (Not tensors allocated on first use: a first use inside
+// a CUDA-graph capture would take them from the graph's pool and zero them only when that graph is replayed;
+// a graph captured but never replayed, a rollout of one token, left the next graph's tickets unset.) One set
+// per device: launches that share tickets must not run concurrently, which holds for one stream's launches and
+// graph replays (the engine's).
+__device__ int g_shrink_tickets[kShrinkMaxTiles] = {};
+__device__ int g_attn_tickets[kAttnMaxPairs] = {};
+
+template <typename T>
+int* device_tickets(const T& symbol, int dev, int* (&cache)[64]) {
+  if (dev >= 0 && dev < 64 && cache[dev]) return cache[dev];
+  void* p = nullptr;
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&p, symbol));  // (the caller's device guard selects the device)
+  if (dev >= 0 && dev < 64) cache[dev] = static_cast<int*>(p);  // (benign race: every writer stores the same value)
+  return static_cast<int*>(p);
+}
+
 int* lora_counters(const at::Tensor& like) {
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
-  const int dev = like.get_device();
-  const auto key = std::make_pair(dev, c10::cuda::getCurrentCUDAStream(dev).stream());
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, at::zeros({kShrinkMaxTiles}, like.options().dtype(at::kInt))).first;
-  return it->second.data_ptr<int>();
+  static int* cache[64] = {nullptr};
+  return device_tickets(g_shrink_tickets, like.get_device(), cache);
 }
 
 // segs (see lora_add) into LoraSegs; false when they are malformed (odd, decreasing, past R or not ending at N)
@@ -960,17 +970,9 @@ bool lora_expand(const at::Tensor& hs, const at::Tensor& y, const at::Tensor& bs
   return true;
 }
 
-// one self-resetting ticket per (row, KV head) pair for decode_attn_kernel, per (device, stream) (launches on one
-// stream are serialized, so they can share it)
 int* attn_tickets(const at::Tensor& like) {
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
-  const int dev = like.get_device();
-  const auto key = std::make_pair(dev, c10::cuda::getCurrentCUDAStream(dev).stream());
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, at::zeros({kAttnMaxPairs}, like.options().dtype(at::kInt))).first;
-  return it->second.data_ptr<int>();
+  static int* cache[64] = {nullptr};
+  return device_tickets(g_attn_tickets, like.get_device(), cache);
 }
 
 int sm_count(int dev) {
@@ -1019,7 +1021,8 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
     return false;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = kc.size(1), S = kc.size(2);
   if (q.size(2) != 1 || kc.size(0) != B || kc.size(3) != D || (D != 64 && D != 128) || KV < 1 || H % KV != 0 ||
-      H / KV > kAttnMaxGroup || out.numel() != B * H * D || B < 1 || B > 65535 || B * KV > kAttnMaxPairs || S < 1)
+      H / KV > kAttnMaxGroup || out.numel() != B * H * D || B < 1 || B > 65535 || KV > 65535 ||
+      B * KV > kAttnMaxPairs || S < 1)
     return false;
   if (!key_mask.is_cuda() || key_mask.get_device() != dev || key_mask.scalar_type() != at::kBool ||
       key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) < S || key_mask.stride(1) != 1 ||
@@ -1033,6 +1036,7 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   // about two blocks per SM, at least 32 slots each
   const int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);
   const int64_t splits = std::min<int64_t>(std::max<int64_t>({need, want, int64_t(1)}), kAttnMaxSplits);
+  if (splits > 1 && pairs * splits * kAttnRecord > (int64_t(1) << 28)) return false;  // a workspace over 1 GiB
   if (D == 128)
     launch_decode_attn<128>(q, kc, vc, key_mask, slot, out, splits, scale);
   else

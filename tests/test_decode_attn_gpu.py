@@ -20,15 +20,16 @@ def built():
 
 
 def _case(b, h, kv, d, s_len, slot, seed=0):
-    """q, caches, key mask (left padding of a different length per row), slot; the slots after ``slot`` hold NaN
-    (never attended: a kernel that reads them fails), masked slots hold large finite keys (they would dominate)."""
+    """q, caches, key mask (left padding of a different length per row; with two rows or more the last one has
+    every slot masked, so only the step's own slot counts), slot; the slots after ``slot`` hold NaN (never
+    attended: a kernel that reads them fails), masked slots hold large finite keys (they would dominate)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, h, 1, d, device="cuda", generator=g).bfloat16()
     kc = torch.randn(b, kv, s_len, d, device="cuda", generator=g).bfloat16()
     vc = torch.randn(b, kv, s_len, d, device="cuda", generator=g).bfloat16()
     key_mask = torch.ones(b, s_len + 5, dtype=torch.bool, device="cuda")  # (wider than the cache: allowed)
     for i in range(b):
-        pad = (i * 37) % (slot + 1)  # row i's left padding: slots [0, pad)
+        pad = (i * 37) % (slot + 1) if i < b - 1 or b == 1 else s_len  # row i's left padding: slots [0, pad)
         key_mask[i, :pad] = False
         kc[i, :, :pad] = 30.0
     kc[:, :, slot + 1:] = float("nan")
@@ -88,7 +89,8 @@ def test_decode_attn_against_fp32(b, h, kv, d, s_len, slot):
 
 def test_decode_attn_deterministic_and_graph_replay():
     """The same bits on every call (the split partials are added in split order; the tickets reset), and a CUDA
-    graph captured at one slot replays for another slot as an eager call there."""
+    graph captured at one slot replays for another slot as an eager call there; a graph captured first and never
+    replayed leaves the next graph's tickets intact."""
     q, kc, vc, key_mask, sl = _case(8, 28, 4, 128, 768, 700, seed=1)
     kc = kc.nan_to_num(0.5)
     vc = vc.nan_to_num(0.5)
@@ -101,15 +103,18 @@ def test_decode_attn_deterministic_and_graph_replay():
     with torch.cuda.stream(stream):
         fused.decode_attn(q, kc, vc, key_mask, slot)  # warm-up off the capture
     torch.cuda.current_stream().wait_stream(stream)
+    unused = torch.cuda.CUDAGraph()  # (a rollout of one token captures its decode graph and never replays it)
+    with torch.cuda.graph(unused):
+        fused.decode_attn(q, kc, vc, key_mask, slot)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused.decode_attn(q, kc, vc, key_mask, slot)
-    for s in (257, 300, 511, 700, 767):
+    for s in (257, 300, 511, 767, 700):
         slot.fill_(s)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, fused.decode_attn(q, kc, vc, key_mask, torch.tensor([s], device="cuda"))), s
-    assert torch.equal(captured, first)  # (the last replay was at slot 700)
+    assert torch.equal(captured, first)  # (the last replay was at slot 700, first's slot)
 
 
 def test_decode_attn_declines_what_it_does_not_take():
