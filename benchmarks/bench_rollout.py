@@ -218,9 +218,8 @@ def main() -> None:
                          "bf16 with a rank-32 adapter on every projection, NVFP4 without and with it (terms in the "
                          "kernel against outside, interleaved): the rollout batches of RL (prompts x group)")
     ap.add_argument("--decode-attn", action="store_true",
-                    help="7B shapes, 256 -> 512 tokens: decode steps attending with fused.decode_attn (the default) "
-                         "against SDPA, interleaved: NVFP4 at batch 8 and 64 twice, bf16 and NVFP4 + rank-32 "
-                         "adapter at batch 8 once")
+                    help="7B shapes (NVFP4), 256 -> 512 tokens: decode steps attending with fused.decode_attn (the "
+                         "default) against SDPA, interleaved: batch 8 twice, batch 64, batch 8 with a rank-32 adapter")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -425,27 +424,19 @@ def lora_part(result, rows, save, profile: bool = False) -> None:
 
 
 def attn_part(rows, save) -> None:
-    """Decode attention in our kernel (fused.decode_attn, the engine's default) against SDPA: 7B shapes, 256 ->
-    512 tokens; bf16 at batch 8, then NVFP4 (the same weights packed) at batch 8 and 64 interleaved twice, and
-    with a rank-32 adapter at batch 8."""
-    big = random_model(qwen7b_config())
-    for on in (True, False):
-        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-bf16" + ("" if on else " sdpa"), "batch": 8,
-                     **time_engine(big, 8, 256, 512, 152064, decode_attn=on)})
-        save()
-    big = pack_model_inplace(big)
+    """Decode attention in our kernel (fused.decode_attn, the engine's default) against SDPA, interleaved: 7B shapes
+    (NVFP4), 256 -> 512 tokens; batch 8 twice, batch 64, batch 8 with a rank-32 adapter (most important first:
+    every row is saved as it ends)."""
+    big = pack_model_inplace(random_model(qwen7b_config()))
     gc.collect()
     torch.cuda.empty_cache()
-    for batch in (8, 64):
-        for _ in range(2):
+    for batch, reps, rank in ((8, 2, 0), (64, 1, 0), (8, 1, 32)):
+        for _ in range(reps):
             for on in (True, False):
-                rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " sdpa"),
-                             "batch": batch, **time_engine(big, batch, 256, 512, 152064, decode_attn=on)})
+                name = "ours-nvfp4" + (" +lora32" if rank else "") + ("" if on else " sdpa")
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": batch,
+                             **time_engine(big, batch, 256, 512, 152064, lora_rank=rank, decode_attn=on)})
                 save()
-    for on in (True, False):
-        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + ("" if on else " sdpa"), "batch": 8,
-                     **time_engine(big, 8, 256, 512, 152064, lora_rank=32, decode_attn=on)})
-        save()
 
 
 def rl_part(rows, save, batches: list[int]) -> None:
