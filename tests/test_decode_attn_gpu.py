@@ -160,7 +160,7 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch):
 
     monkeypatch.setattr(fused, "decode_attn", counted)
     on, off = Engine(model64, "cuda"), Engine(model64, "cuda")
-    off.decode_attn = False
+    on.decode_attn, off.decode_attn = True, False
     assert on._decode_attn_ok() and not off._decode_attn_ok()
     cfg = SamplingConfig(temperature=0, max_new_tokens=16)
     a = on.generate(PROMPTS, 2, cfg, 0, set(), 0)
@@ -169,7 +169,9 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch):
     b = off.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert len(calls) == n_on  # SDPA engine: no call
     assert float((a.completion_ids[:, :4] == b.completion_ids[:, :4]).float().mean()) >= 0.75
-    eager = Engine(model64, "cuda", cuda_graph=False).generate(PROMPTS, 2, cfg, 0, set(), 0)
+    eager_engine = Engine(model64, "cuda", cuda_graph=False)
+    eager_engine.decode_attn = True
+    eager = eager_engine.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert torch.equal(a.completion_ids, eager.completion_ids)
     s = on.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)
     with torch.no_grad():
@@ -177,7 +179,9 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch):
     beh = (lp.cpu() - s.behaviour_logprobs).abs()[s.completion_mask]
     assert torch.isfinite(beh).all() and float(beh.max()) < 0.25 and float(beh.mean()) < 0.03
     monkeypatch.setattr(fused, "decode_attn", lambda *a, **k: None)  # the kernel declines every call
-    declined = Engine(model64, "cuda").generate(PROMPTS, 2, cfg, 0, set(), 0)
+    declining = Engine(model64, "cuda")
+    declining.decode_attn = True
+    declined = declining.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert torch.equal(declined.completion_ids, b.completion_ids)
 
 

@@ -492,10 +492,11 @@ class Engine:
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
         # torch ops; QERL_ENGINE_FUSED_SAMPLER=0 (or False) keeps torch's multinomial
         self.fused_sampler = os.environ.get("QERL_ENGINE_FUSED_SAMPLER", "1") != "0"
-        # with the fused kernels on, decode steps (one token per row, q from the rotary + KV-write kernel, no
-        # sliding window) attend with fused.decode_attn: the slots up to the step's only, each KV head's cache read
-        # once for its query heads, no additive mask built; QERL_ENGINE_DECODE_ATTN=0 (or False) keeps SDPA
-        self.decode_attn = os.environ.get("QERL_ENGINE_DECODE_ATTN", "1") != "0"
+        # opt-in (QERL_ENGINE_DECODE_ATTN=1 or True; session 16, compiled but not yet run on a GPU): with the fused
+        # kernels on, decode steps (one token per row, q from the rotary + KV-write kernel, no sliding window)
+        # attend with fused.decode_attn: the slots up to the step's only, each KV head's cache read once for its
+        # query heads, no additive mask built. Off: SDPA, as before
+        self.decode_attn = os.environ.get("QERL_ENGINE_DECODE_ATTN", "0") == "1"
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
