@@ -81,7 +81,8 @@ def test_decode_attn_against_fp32(b, h, kv, d, s_len, slot):
     n = slot + 1
     allowed = key_mask[:, :n].clone()
     allowed[:, n - 1] = True
-    add = torch.zeros(b, 1, 1, n, dtype=torch.bfloat16, device="cuda").masked_fill(~allowed[:, None, None], float("-inf"))
+    add = torch.zeros(b, 1, 1, n, dtype=torch.bfloat16, device="cuda").masked_fill(~allowed[:, None, None],
+                                                                                     float("-inf"))
     sdpa = F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], attn_mask=add, enable_gqa=kv != h)
     sdpa_err = float((sdpa.transpose(1, 2).reshape(b, 1, h * d).float() - ref).abs().max())
     assert float(err.max()) <= sdpa_err + 1e-3

@@ -683,9 +683,9 @@ class Engine:
     def _rope_table(self, n: int) -> None:
         """Make the table of cos / sin for positions ``0 ... n - 1`` (at least) where the model's rotary embedding
         is static (rope types default, linear, llama3), on CUDA: the module itself on every position at once, the
-        same elementwise kernels as per call, so a row is bit-identical to the module's output at that position. Called before
-        a rollout's forwards (never inside a CUDA-graph capture); a decode step then gathers its rows in one
-        kernel instead of the module's eight or so."""
+        same elementwise kernels as per call, so a row is bit-identical to the module's output at that position.
+        Called before a rollout's forwards (never inside a CUDA-graph capture); a decode step then gathers its rows
+        in one kernel instead of the module's eight or so."""
         if self.device.type != "cuda" or getattr(self.rotary, "rope_type", None) not in ("default", "linear", "llama3"):
             return  # (on CPU a long tensor's cos can take another vector path than a short one's: not the same bits)
         tab = self._rope_tab
