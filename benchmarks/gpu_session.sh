@@ -86,6 +86,9 @@
 #   37                             session 16 (decode attention in our kernel, fused.decode_attn): build, its GPU
 #                                  tests with the engine's, the attention alone against SDPA
 #                                  (bench_decode_attn.py), the 7B-shape rollouts with and without it, interleaved
+#   38                             session 17 (decode attention measured at 0.47-0.79x SDPA in 37): build, where its
+#                                  time goes (probe_decode_attn.py: splits swept, PDL off, a launch floor), Nsight
+#                                  Compute on it and on SDPA's kernel at batch 8
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -486,6 +489,19 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --decode-attn \
     --json "$OUT/rollout_7b_decode_attn.json" 2>&1 | tee "$OUT/bench_rollout_7b_decode_attn.log" | grep -v '^{'
   stamp 37 "decode-attention rollouts done"
+  ;;
+38)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 38 "kernels built"
+  timeout 150 python3 benchmarks/probe_decode_attn.py --json "$OUT/probe_decode_attn.json" 2>&1 \
+    | tee "$OUT/probe_decode_attn.log"
+  stamp 38 "decode attention probed"
+  timeout 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
+    --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    python3 benchmarks/probe_decode_attn.py --ncu > "$OUT/ncu_decode_attn.txt" 2>&1; echo "ncu rc $?"
+  grep -E "^  [a-zA-Z_].*\(|Duration|Elapsed Cycles|Registers Per|Block Size|Grid Size|Achieved Occupancy|Theoretical Occ|Memory Throughput|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall" \
+    "$OUT/ncu_decode_attn.txt" | head -90
+  stamp 38 "ncu done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -1009,9 +1009,11 @@ void launch_decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Ten
 // csrc/decode_attn.cuh): q [B, H, 1, D] and the caches [B, KV, S, D] contiguous bf16, key_mask [B, >= S] bool with
 // unit column stride, slot one int64 on the device (the step's slot: slots [0, slot] are attended). False
 // (nothing launched) where the kernel does not take the tensors: D not 64 or 128, more than 8 query heads per KV
-// head, more than 256 * (16384 / D) slots, more than 65,536 (row, KV head) pairs.
+// head, more than 256 * (16384 / D) slots, more than 65,536 (row, KV head) pairs. splits_req > 0 asks for that many
+// splits of the attended slots (at least the number that keeps a block's slots in its buffers, at most 256); 0
+// lets the host choose.
 bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
-                 const at::Tensor& slot, at::Tensor& out, double scale) {
+                 const at::Tensor& slot, at::Tensor& out, double scale, int64_t splits_req) {
   const int dev = q.get_device();
   auto bf = [&](const at::Tensor& t) {
     return t.is_cuda() && t.get_device() == dev && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
@@ -1035,7 +1037,8 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   const int64_t pairs = B * KV;
   // about two blocks per SM, at least 32 slots each
   const int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);
-  const int64_t splits = std::min<int64_t>(std::max<int64_t>({need, want, int64_t(1)}), kAttnMaxSplits);
+  const int64_t splits =
+      std::min<int64_t>(std::max<int64_t>({need, splits_req > 0 ? splits_req : want, int64_t(1)}), kAttnMaxSplits);
   if (splits > 1 && pairs * splits * kAttnRecord > (int64_t(1) << 28)) return false;  // a workspace over 1 GiB
   if (D == 128)
     launch_decode_attn<128>(q, kc, vc, key_mask, slot, out, splits, scale);
@@ -1130,7 +1133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one decode step's attention over the KV cache (slots up to the step's, key mask); false when the kernel "
         "does not take the tensors",
         py::arg("q"), py::arg("kc"), py::arg("vc"), py::arg("key_mask"), py::arg("slot"), py::arg("out"),
-        py::arg("scale"));
+        py::arg("scale"), py::arg("splits") = 0);
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; }, "programmatic dependent launch on/off");
 }
 #endif
