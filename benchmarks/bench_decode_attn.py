@@ -4,7 +4,9 @@ For each shape (model heads, batch B, cache of S slots, the step at slot n - 1) 
 with the caches rotated over copies that together exceed the L2 four times:
   * ``sdpa``  F.scaled_dot_product_attention over the whole cache with the additive [B, 1, 1, S] mask (the
               engine's decode step before session 16: every slot, every query head on its own)
-  * ``ours``  fused.decode_attn: the slots [0, n) only, each KV head's rows read once for its query heads
+  * ``ours``  fused.decode_attn: the slots [0, n) only, each KV head's rows read once for its query heads (its
+              splits added in a thread-block cluster where there are 2 ... 8 of them, on sm_90)
+  * ``ws``    the same with the splits added through the workspace (``cluster=False``)
 and prints µs per call, the speed-up, the KV bytes our kernel reads per µs, and the largest difference between
 the two outputs relative to the largest output. Writes the rows as JSON.
 
@@ -45,7 +47,7 @@ def main() -> int:
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'shape':<12} {'B':>4} {'S':>5} {'n':>5} {'SDPA us':>8} {'ours us':>8} {'speed-up':>8} "
+    print(f"{'shape':<12} {'B':>4} {'S':>5} {'n':>5} {'SDPA us':>8} {'ours us':>8} {'ws us':>8} {'speed-up':>8} "
           f"{'KV GB/s':>8} {'rel diff':>9}", flush=True)
     for model, b, s_len, n in SHAPES:
         h, kv, d = HEADS[model]
@@ -70,16 +72,21 @@ def main() -> int:
             kc, vc = caches[i]
             return fused.decode_attn(q, kc, vc, key_mask, slot)
 
+        def ours_ws(i):
+            kc, vc = caches[i]
+            return fused.decode_attn(q, kc, vc, key_mask, slot, cluster=False)
+
         ref = sdpa(0).transpose(1, 2).reshape(b, 1, h * d).float()
         got = ours(0)
         diff = float((got.float() - ref).abs().max() / ref.abs().max())
         t_sdpa = 1e6 * time_graph(sdpa, copies, 200)
         t_ours = 1e6 * time_graph(ours, copies, 200)
+        t_ws = 1e6 * time_graph(ours_ws, copies, 200)
         gbs = 2 * b * kv * n * d * 2 / (t_ours * 1e3)
-        row = {"model": model, "batch": b, "cache_slots": s_len, "attended": n, "sdpa_us": t_sdpa, "ours_us": t_ours,
+        row = {"model": model, "batch": b, "cache_slots": s_len, "attended": n, "sdpa_us": t_sdpa, "ours_us": t_ours, "ours_workspace_us": t_ws,
                "speedup": t_sdpa / t_ours, "kv_gb_per_s": gbs, "rel_diff_vs_sdpa": diff}
         rows.append(row)
-        print(f"{model:<12} {b:>4} {s_len:>5} {n:>5} {t_sdpa:>8.1f} {t_ours:>8.1f} {t_sdpa / t_ours:>7.2f}x "
+        print(f"{model:<12} {b:>4} {s_len:>5} {n:>5} {t_sdpa:>8.1f} {t_ours:>8.1f} {t_ws:>8.1f} {t_sdpa / t_ours:>7.2f}x "
               f"{gbs:>8.0f} {diff:>9.1e}", flush=True)
         del caches
         torch.cuda.empty_cache()

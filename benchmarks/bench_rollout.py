@@ -83,9 +83,10 @@ def random_lora(model, rank: int) -> LoRA:
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
-                decode_attn=True, **engine_kw) -> dict:
+                decode_attn=None, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
-    eng.decode_attn = decode_attn
+    if decode_attn is not None:  # (None: the engine's default)
+        eng.decode_attn = decode_attn
     if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
         eng.set_noise(sigma, 0, noise_scope, batch if noise_scope == "group" else 1, 1)
     eng.fused_sampler = fused_sampler
@@ -218,8 +219,9 @@ def main() -> None:
                          "bf16 with a rank-32 adapter on every projection, NVFP4 without and with it (terms in the "
                          "kernel against outside, interleaved): the rollout batches of RL (prompts x group)")
     ap.add_argument("--decode-attn", action="store_true",
-                    help="7B shapes (NVFP4), 256 -> 512 tokens: decode steps attending with fused.decode_attn (the "
-                         "default) against SDPA, interleaved: batch 8 twice, batch 64, batch 8 with a rank-32 adapter")
+                    help="7B shapes (NVFP4), 256 -> 512 tokens: decode steps attending with fused.decode_attn "
+                         "(PDL trigger early and late) against SDPA, interleaved: batch 8 without and with a rank-32 "
+                         "adapter twice each, batch 64 once")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -424,18 +426,29 @@ def lora_part(result, rows, save, profile: bool = False) -> None:
 
 
 def attn_part(rows, save) -> None:
-    """Decode attention in our kernel (fused.decode_attn, the engine's default) against SDPA, interleaved: 7B shapes
-    (NVFP4), 256 -> 512 tokens; batch 8 twice, batch 64, batch 8 with a rank-32 adapter (most important first:
-    every row is saved as it ends)."""
+    """Decode attention in our kernel (fused.decode_attn) against SDPA, interleaved: 7B shapes (NVFP4), 256 -> 512
+    tokens. Batch 8 without and with a rank-32 adapter, twice each: the kernel where its blocks fit one wave
+    ("wave": all of batch 8's steps) with its PDL trigger at its start and once its loads have landed ("late"),
+    against SDPA; then batch 64 once with the kernel everywhere ("all": no step fits one wave) against SDPA. Most
+    important first, every row saved as it ends."""
+    from qerl_cli import fused
+
     big = pack_model_inplace(random_model(qwen7b_config()))
     gc.collect()
     torch.cuda.empty_cache()
-    for batch, reps, rank in ((8, 2, 0), (64, 1, 0), (8, 1, 32)):
+    arms = (("wave", False), ("wave", True), (False, False))
+    for batch, reps, rank, modes in ((8, 2, 0, arms), (8, 2, 32, arms), (64, 1, 0, ((True, False), (False, False)))):
         for _ in range(reps):
-            for on in (True, False):
-                name = "ours-nvfp4" + (" +lora32" if rank else "") + ("" if on else " sdpa")
-                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": batch,
-                             **time_engine(big, batch, 256, 512, 152064, lora_rank=rank, decode_attn=on)})
+            for attn, late in modes:
+                fused._load().set_attn_late_trigger(late)
+                name = "ours-nvfp4" + (" +lora32" if rank else "") + (
+                    " sdpa" if attn is False else " attn:wave" if attn == "wave" else " attn:all") + (
+                    " late" if late else "")
+                try:
+                    rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": batch,
+                                 **time_engine(big, batch, 256, 512, 152064, lora_rank=rank, decode_attn=attn)})
+                finally:
+                    fused._load().set_attn_late_trigger(False)
                 save()
 
 

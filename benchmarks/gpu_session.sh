@@ -89,6 +89,11 @@
 #   38                             session 17 (decode attention measured at 0.47-0.79x SDPA in 37): build, where its
 #                                  time goes (probe_decode_attn.py: splits swept, PDL off, a launch floor), Nsight
 #                                  Compute on it and on SDPA's kernel at batch 8
+#   39                             session 17, after 38 (the last block's combine of the splits made parallel):
+#                                  build, the decode-attention GPU tests, probe_decode_attn.py, bench_decode_attn.py,
+#                                  the 7B-shape rollouts with and without it, interleaved
+#   40                             session 18 (decode attention rewritten on the tensor cores, splits added in a
+#                                  thread-block cluster): what 39 runs
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -133,7 +138,8 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-case "${1:?part 1 to 23 (see above)}" in
+PART="${1:?part 1 to 40 (see above)}"
+case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 6 "kernels built"
@@ -502,6 +508,20 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "^  [a-zA-Z_].*\(|Duration|Elapsed Cycles|Registers Per|Block Size|Grid Size|Achieved Occupancy|Theoretical Occ|Memory Throughput|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Stall" \
     "$OUT/ncu_decode_attn.txt" | head -90
   stamp 38 "ncu done"
+  ;;
+39|40)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp "$PART" "kernels built"
+  COLUMNS=200 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_decode_attn_gpu.py \
+    > "$OUT/gpu_tests_attn.log" 2>&1; tail -n 15 "$OUT/gpu_tests_attn.log"
+  stamp "$PART" "decode-attention GPU tests done"
+  timeout 60 python3 benchmarks/probe_decode_attn.py --json "$OUT/probe_decode_attn.json" 2>&1 \
+    | tee "$OUT/probe_decode_attn.log"
+  timeout 60 python3 benchmarks/bench_decode_attn.py --json "$OUT/decode_attn.json" 2>&1 | tee "$OUT/decode_attn.log"
+  stamp "$PART" "decode attention timed"
+  timeout $(( 560 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --decode-attn \
+    --json "$OUT/rollout_7b_decode_attn.json" 2>&1 | tee "$OUT/bench_rollout_7b_decode_attn.log" | grep -v '^{'
+  stamp "$PART" "decode-attention rollouts done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -6,6 +6,7 @@ with the caches rotated past the L2 (as bench_decode_attn.py does), for a few 7B
   * ``floor``       a kernel of the same output size that does no work (``out.zero_()``): the launch floor
   * ``splits=N``    fused.decode_attn with N blocks per (row, KV head) (0: the launcher's choice), PDL on
   * ``nopdl``       the launcher's choice with programmatic dependent launch off
+  * ``ws:splits=N`` the same N with the splits added through the workspace instead of a cluster
 and prints one row per shape, µs per call. ``--ncu`` instead runs each of the two kernels twice eagerly between
 cudaProfilerStart/Stop (for ``ncu --profile-from-start off``) and exits. Writes JSON with ``--json``.
 
@@ -29,7 +30,8 @@ from bench_kernel import L2_BYTES, time_graph  # noqa: E402
 from qerl_cli import fused  # noqa: E402
 
 SHAPES = [(8, 768, 257), (8, 768, 512), (8, 768, 768), (64, 768, 512)]  # 7B heads: 28 query, 4 KV, D = 128
-SPLITS = [0, 6, 8, 12, 16, 24, 32, 64]
+SPLITS = [0, 6, 8, 12, 16, 32]  # (cluster where 2 ... 8 on sm_90; "ws" columns: through the workspace)
+WS_SPLITS = [0, 8]
 
 
 def setup(b: int, s_len: int, n: int, gen: torch.Generator, copies: int):
@@ -70,8 +72,8 @@ def main() -> int:
         return 0
     ext = fused._load()
     rows = []
-    cols = ["sdpa", "floor", "nopdl"] + [f"splits={s}" for s in SPLITS]
-    print(f"{'B':>4} {'S':>5} {'n':>5} " + " ".join(f"{c:>9}" for c in cols), flush=True)
+    cols = ["sdpa", "floor", "nopdl"] + [f"splits={s}" for s in SPLITS] + [f"ws:splits={s}" for s in WS_SPLITS]
+    print(f"{'B':>4} {'S':>5} {'n':>5} " + " ".join(f"{c:>11}" for c in cols), flush=True)
     for b, s_len, n in SHAPES:
         per_copy = 2 * b * 4 * s_len * 128 * 2
         copies = max(2, math.ceil(4 * L2_BYTES / per_copy))
@@ -89,9 +91,12 @@ def main() -> int:
         for s in SPLITS:
             t[f"splits={s}"] = time_graph(
                 lambda i, s=s: fused.decode_attn(q, caches[i][0], caches[i][1], key_mask, slot, splits=s), copies, 200)
+        for s in WS_SPLITS:
+            t[f"ws:splits={s}"] = time_graph(lambda i, s=s: fused.decode_attn(
+                q, caches[i][0], caches[i][1], key_mask, slot, splits=s, cluster=False), copies, 200)
         us = {k: 1e6 * v for k, v in t.items()}
         rows.append({"batch": b, "cache_slots": s_len, "attended": n, "us": us})
-        print(f"{b:>4} {s_len:>5} {n:>5} " + " ".join(f"{us[c]:>9.1f}" for c in cols), flush=True)
+        print(f"{b:>4} {s_len:>5} {n:>5} " + " ".join(f"{us[c]:>11.1f}" for c in cols), flush=True)
         caches = None  # (the lambdas above are done with them)
         torch.cuda.empty_cache()
     if args.json:

@@ -985,24 +985,89 @@ int sm_count(int dev) {
   return sms;
 }
 
+// decode_attn_kernel<D>'s shared-memory limit raised to its size, once per device (the size is fixed)
 template <int D>
-void launch_decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
-                        const at::Tensor& slot, at::Tensor& out, int64_t splits, double scale) {
-  const int dev = q.get_device();
-  static bool raised[64] = {false};  // the instance's shared-memory limit, once per device (the size is fixed)
+void attn_smem_limit(int dev) {
+  static bool raised[64] = {false};
   if (dev >= 0 && dev < 64 && !raised[dev]) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(AttnCfg<D>::kSmem)));
     raised[dev] = true;
   }
+}
+
+template <int D>
+int attn_blocks_per_sm(int dev) {
+  attn_smem_limit<D>(dev);
+  int v = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, decode_attn_kernel<D>, kAttnThreads,
+                                                               AttnCfg<D>::kSmem));
+  return std::max(v, 1);
+}
+
+// the last decode_attn launch's splits, negative when they were added in a cluster (tests)
+static int64_t g_attn_last = 0;
+// decode_attn_kernel's PDL trigger: 0 at its start, 1 once a block's loads have landed (set_attn_late_trigger)
+static int g_attn_late_trigger = 0;
+
+// whether `pairs` clusters of `splits` blocks of decode_attn_kernel<D> are resident at once on device dev
+// (session 18, H100: 64 clusters of 6 on the 32B heads at batch 8, 384 blocks of a 396-block wave, took 18.3 us
+// against 13.9 through the workspace; the GPC boundaries leave fewer cluster places than blocks / splits)
+template <int D>
+bool attn_clusters_fit(int dev, int64_t pairs, int64_t splits, cudaStream_t stream) {
+  static int fit[64][kAttnMaxCluster + 1] = {{0}};  // active clusters per size, 0: not asked yet
+  int v = dev >= 0 && dev < 64 ? fit[dev][splits] : 0;
+  if (v == 0) {
+    attn_smem_limit<D>(dev);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(splits), 1, 1);
+    cfg.blockDim = dim3(kAttnThreads);
+    cfg.dynamicSmemBytes = AttnCfg<D>::kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(splits);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&v, decode_attn_kernel<D>, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // (not fatal: no cluster then)
+      v = 0;
+    }
+    if (v <= 0) v = -1;  // -1: none fit
+    if (dev >= 0 && dev < 64) fit[dev][splits] = v;
+  }
+  return v > 0 && pairs <= v;
+}
+
+// blocks of decode_attn_kernel<D> resident at once on device dev (one wave): blocks per SM x SMs
+int64_t attn_wave(int dev, int64_t D) {
+  static int per_sm[64][2] = {{0}};  // (benign race: every writer stores the same value)
+  const int which = D == 128 ? 1 : 0;
+  int v = dev >= 0 && dev < 64 ? per_sm[dev][which] : 0;
+  if (v == 0) {
+    v = D == 128 ? attn_blocks_per_sm<128>(dev) : attn_blocks_per_sm<64>(dev);
+    if (dev >= 0 && dev < 64) per_sm[dev][which] = v;
+  }
+  return static_cast<int64_t>(v) * sm_count(dev);
+}
+
+template <int D>
+void launch_decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
+                        const at::Tensor& slot, at::Tensor& out, int64_t splits, double scale, bool cluster) {
+  const int dev = q.get_device();
+  attn_smem_limit<D>(dev);
   const int64_t B = q.size(0), KV = kc.size(1), group = q.size(1) / KV;
-  at::Tensor ws = splits > 1 ? at::empty({B * KV * splits * kAttnRecord}, q.options().dtype(at::kFloat)) : at::Tensor();
-  C10_CUDA_CHECK(qerl_pdl::launch(
+  at::Tensor ws = splits > 1 && !cluster ? at::empty({B * KV * splits * kAttnRecord}, q.options().dtype(at::kFloat))
+                                         : at::Tensor();
+  C10_CUDA_CHECK(qerl_pdl::launch_cluster_dims(
       decode_attn_kernel<D>, dim3(static_cast<unsigned>(splits), static_cast<unsigned>(KV), static_cast<unsigned>(B)),
-      dim3(kAttnThreads), AttnCfg<D>::kSmem, c10::cuda::getCurrentCUDAStream().stream(), dev, cptr(q), cptr(kc),
-      cptr(vc), key_mask.data_ptr<bool>(), key_mask.stride(0), slot.data_ptr<int64_t>(), mptr(out),
-      splits > 1 ? ws.data_ptr<float>() : nullptr, attn_tickets(q), static_cast<int>(KV), static_cast<int>(group),
-      kc.size(2), static_cast<float>(scale * 1.4426950408889634)));
+      dim3(kAttnThreads), AttnCfg<D>::kSmem, c10::cuda::getCurrentCUDAStream().stream(), dev,
+      dim3(cluster ? static_cast<unsigned>(splits) : 1u, 1, 1), cptr(q), cptr(kc), cptr(vc),
+      key_mask.data_ptr<bool>(), key_mask.stride(0), slot.data_ptr<int64_t>(), mptr(out),
+      ws.defined() ? ws.data_ptr<float>() : nullptr, attn_tickets(q), static_cast<int>(KV), static_cast<int>(group),
+      kc.size(2), static_cast<float>(scale * 1.4426950408889634), cluster ? 1 : 0, g_attn_late_trigger));
 }
 
 // out [B, H * D] (any shape of that many elements, contiguous bf16) = one decode step's attention (see
@@ -1011,9 +1076,19 @@ void launch_decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Ten
 // (nothing launched) where the kernel does not take the tensors: D not 64 or 128, more than 8 query heads per KV
 // head, more than 256 * (16384 / D) slots, more than 65,536 (row, KV head) pairs. splits_req > 0 asks for that many
 // splits of the attended slots (at least the number that keeps a block's slots in its buffers, at most 256); 0
-// lets the host choose.
+// lets the host choose: about two blocks per SM, at most 8 where the splits can run as a cluster. cluster_req: 1
+// reduces 2 ... 8 splits in a thread-block cluster (sm_90), 0 through the workspace, -1 as QERL_ATTN_CLUSTER says
+// (on unless it is 0); a cluster is taken only where all the blocks fit one wave (session 18, H100: with more
+// blocks the clusters measured slower than the workspace, at batch 32 and 64 on the 7B heads, batch 8 on the 32B
+// heads). one_wave_only: false (nothing launched) unless the blocks fit one wave, where the kernel measured
+// faster than SDPA (with more, SDPA's flash kernel won or tied).
 bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
-                 const at::Tensor& slot, at::Tensor& out, double scale, int64_t splits_req) {
+                 const at::Tensor& slot, at::Tensor& out, double scale, int64_t splits_req, int64_t cluster_req,
+                 bool one_wave_only) {
+  static const bool cluster_env = [] {
+    const char* e = std::getenv("QERL_ATTN_CLUSTER");
+    return !(e && e[0] == '0');
+  }();
   const int dev = q.get_device();
   auto bf = [&](const at::Tensor& t) {
     return t.is_cuda() && t.get_device() == dev && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
@@ -1035,15 +1110,24 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   if (need > kAttnMaxSplits) return false;
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t pairs = B * KV;
-  // about two blocks per SM, at least 32 slots each
-  const int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);
+  const bool cluster_ok = (cluster_req < 0 ? cluster_env : cluster_req > 0) && qerl_pdl::device_supports(dev);
+  // about two blocks per SM, at least 32 slots each; at most a cluster's worth where the buffers allow
+  int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);
+  if (cluster_ok && need <= kAttnMaxCluster && pairs * kAttnMaxCluster <= attn_wave(dev, D))
+    want = std::min<int64_t>(want, kAttnMaxCluster);
   const int64_t splits =
       std::min<int64_t>(std::max<int64_t>({need, splits_req > 0 ? splits_req : want, int64_t(1)}), kAttnMaxSplits);
-  if (splits > 1 && pairs * splits * kAttnRecord > (int64_t(1) << 28)) return false;  // a workspace over 1 GiB
+  const bool one_wave = pairs * splits <= attn_wave(dev, D);
+  if (one_wave_only && !one_wave) return false;
+  const bool cluster = cluster_ok && one_wave && splits > 1 && splits <= kAttnMaxCluster &&
+                       (D == 128 ? attn_clusters_fit<128>(dev, pairs, splits, c10::cuda::getCurrentCUDAStream().stream())
+                                 : attn_clusters_fit<64>(dev, pairs, splits, c10::cuda::getCurrentCUDAStream().stream()));
+  if (splits > 1 && !cluster && pairs * splits * kAttnRecord > (int64_t(1) << 28)) return false;  // workspace > 1 GiB
+  g_attn_last = cluster ? -splits : splits;
   if (D == 128)
-    launch_decode_attn<128>(q, kc, vc, key_mask, slot, out, splits, scale);
+    launch_decode_attn<128>(q, kc, vc, key_mask, slot, out, splits, scale, cluster);
   else
-    launch_decode_attn<64>(q, kc, vc, key_mask, slot, out, splits, scale);
+    launch_decode_attn<64>(q, kc, vc, key_mask, slot, out, splits, scale, cluster);
   return true;
 }
 
@@ -1133,7 +1217,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one decode step's attention over the KV cache (slots up to the step's, key mask); false when the kernel "
         "does not take the tensors",
         py::arg("q"), py::arg("kc"), py::arg("vc"), py::arg("key_mask"), py::arg("slot"), py::arg("out"),
-        py::arg("scale"), py::arg("splits") = 0);
+        py::arg("scale"), py::arg("splits") = 0, py::arg("cluster") = -1, py::arg("one_wave_only") = false);
+  m.def("decode_attn_last_splits", [] { return qerl_fused::g_attn_last; },
+        "the last decode_attn launch's splits, negative when they were added in a thread-block cluster");
+  m.def("set_attn_late_trigger", [](bool on) { qerl_fused::g_attn_late_trigger = on ? 1 : 0; },
+        "decode_attn's PDL trigger once a block's loads have landed (true) or at its start (false)");
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; }, "programmatic dependent launch on/off");
 }
 #endif

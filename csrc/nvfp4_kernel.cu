@@ -32,6 +32,7 @@
 #include "nvfp4_decode.cuh"
 #include "check.cuh"
 #include "pdl.cuh"
+#include "warp_mma.cuh"
 
 #ifndef QERL_NO_TORCH
 #include <c10/cuda/CUDAException.h>
@@ -99,20 +100,6 @@ __device__ __forceinline__ void prefetch_tiles(const uint8_t* rec, int tiles, in
   if (lane == 0) qerl_pdl::prefetch_l2(rec, (uint32_t)(min(tiles, kPrefetchTiles) * kRecordBytes));
 }
 
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void* g, bool valid) {
   const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(g), "r"(n));
@@ -155,12 +142,6 @@ __device__ __forceinline__ void mma_half(float (&acc)[R][TG][4], const uint32_t 
 // own shared memory. After a cluster barrier, CTA `split` sums outputs [split * per, (split + 1) * per) over the
 // S partials in split order (0 + p0 + p1 + ...: the workspace path's order, bit for bit), then a second barrier
 // keeps every CTA's shared memory alive until all remote reads are done.
-__device__ __forceinline__ void cluster_sync_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
 constexpr int kMaxClusterSplit = 8;  // portable cluster size
 
 template <int ROWS>

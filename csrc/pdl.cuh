@@ -64,10 +64,11 @@ inline bool device_supports(int dev) {
 }
 
 // kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute where enabled and supported, and as
-// thread-block clusters of cluster_z CTAs along z when cluster_z > 1 (the caller checks device_supports)
+// thread-block clusters of cluster.x * cluster.y * cluster.z CTAs when that is more than 1 (the caller checks
+// device_supports)
 template <typename... KArgs, typename... Args>
-cudaError_t launch_clustered(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                             int dev, unsigned cluster_z, Args&&... args) {
+cudaError_t launch_cluster_dims(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                int dev, dim3 cluster, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -80,16 +81,24 @@ cudaError_t launch_clustered(void (*kern)(KArgs...), dim3 grid, dim3 block, size
     attr[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
   }
-  if (cluster_z > 1) {
+  if (cluster.x * cluster.y * cluster.z > 1) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = 1;
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = cluster_z;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n].val.clusterDim.z = cluster.z;
     ++n;
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
+}
+
+// the same with clusters of cluster_z CTAs along z
+template <typename... KArgs, typename... Args>
+cudaError_t launch_clustered(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             int dev, unsigned cluster_z, Args&&... args) {
+  return launch_cluster_dims(kern, grid, block, smem, stream, dev, dim3(1, 1, cluster_z),
+                             std::forward<Args>(args)...);
 }
 
 template <typename... KArgs, typename... Args>

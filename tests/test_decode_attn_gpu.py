@@ -101,34 +101,96 @@ def test_decode_attn_forced_splits(splits):
         fused.decode_attn(q, kc, vc, key_mask, sl, splits=-1)
 
 
-def test_decode_attn_deterministic_and_graph_replay():
+@pytest.mark.parametrize("b,h,kv,d,s_len,slot", [
+    (8, 28, 4, 128, 768, 300),   # Qwen2.5-7B (7 query heads per KV head)
+    (3, 9, 3, 64, 384, 200),     # SmolLM2 (head_dim 64, 3 per KV head)
+    (2, 40, 8, 128, 1024, 1000), # Qwen2.5-32B (5 per KV head)
+])
+@pytest.mark.parametrize("splits", [2, 3, 5, 8])
+def test_decode_attn_cluster_equals_workspace(b, h, kv, d, s_len, slot, splits):
+    """2 ... 8 splits added in a thread-block cluster (distributed shared memory) give the bits of the same splits
+    added through the workspace by the last block, and the fp32 result within one bf16 rounding."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    q, kc, vc, key_mask, sl = _case(b, h, kv, d, s_len, slot, seed=3)
+    need = -(-s_len // (32768 // (2 * d)))  # the splits the slot buffers need
+    if splits < need:
+        pytest.skip(f"{s_len} slots need {need} splits")
+    ext = fused._load()
+    via_cluster = fused.decode_attn(q, kc, vc, key_mask, sl, splits=splits, cluster=True)
+    assert ext.decode_attn_last_splits() == -splits  # (a cluster: these blocks fit one wave)
+    via_ws = fused.decode_attn(q, kc, vc, key_mask, sl, splits=splits, cluster=False)
+    assert ext.decode_attn_last_splits() == splits
+    assert via_cluster is not None and via_ws is not None
+    assert torch.equal(via_cluster, via_ws)
+    ref = _reference(q, kc, vc, key_mask, slot)
+    assert float(((via_cluster.float() - ref).abs() - 2**-8 * ref.abs()).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("cluster", [None, False])
+def test_decode_attn_deterministic_and_graph_replay(cluster):
     """The same bits on every call (the split partials are added in split order; the tickets reset), and a CUDA
     graph captured at one slot replays for another slot as an eager call there; a graph captured first and never
-    replayed leaves the next graph's tickets intact."""
+    replayed leaves the next graph's tickets intact; with the splits in a cluster (the default on sm_90) and through
+    the workspace and its tickets."""
     q, kc, vc, key_mask, sl = _case(8, 28, 4, 128, 768, 700, seed=1)
     kc = kc.nan_to_num(0.5)
     vc = vc.nan_to_num(0.5)
-    first = fused.decode_attn(q, kc, vc, key_mask, sl)
+    first = fused.decode_attn(q, kc, vc, key_mask, sl, cluster=cluster)
     for _ in range(3):
-        assert torch.equal(fused.decode_attn(q, kc, vc, key_mask, sl), first)
+        assert torch.equal(fused.decode_attn(q, kc, vc, key_mask, sl, cluster=cluster), first)
     slot = torch.tensor([257], device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused.decode_attn(q, kc, vc, key_mask, slot)  # warm-up off the capture
+        fused.decode_attn(q, kc, vc, key_mask, slot, cluster=cluster)  # warm-up off the capture
     torch.cuda.current_stream().wait_stream(stream)
     unused = torch.cuda.CUDAGraph()  # (a rollout of one token captures its decode graph and never replays it)
     with torch.cuda.graph(unused):
-        fused.decode_attn(q, kc, vc, key_mask, slot)
+        fused.decode_attn(q, kc, vc, key_mask, slot, cluster=cluster)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused.decode_attn(q, kc, vc, key_mask, slot)
+        captured = fused.decode_attn(q, kc, vc, key_mask, slot, cluster=cluster)
     for s in (257, 300, 511, 767, 700):
         slot.fill_(s)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, fused.decode_attn(q, kc, vc, key_mask, torch.tensor([s], device="cuda"))), s
+        eager = fused.decode_attn(q, kc, vc, key_mask, torch.tensor([s], device="cuda"), cluster=cluster)
+        assert torch.equal(captured, eager), s
     assert torch.equal(captured, first)  # (the last replay was at slot 700, first's slot)
+
+
+def test_decode_attn_one_wave_rule():
+    """Where the blocks fit one wave (7B heads at batch 8) the default adds the splits in a cluster; at batch 64
+    they do not, so the workspace adds them and ``one_wave_only`` declines (the engine's SDPA then runs)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    ext = fused._load()
+    q, kc, vc, key_mask, sl = _case(8, 28, 4, 128, 768, 300, seed=4)
+    assert fused.decode_attn(q, kc, vc, key_mask, sl, one_wave_only=True) is not None
+    assert ext.decode_attn_last_splits() < -1
+    q, kc, vc, key_mask, sl = _case(64, 28, 4, 128, 768, 300, seed=4)
+    out = fused.decode_attn(q, kc, vc, key_mask, sl)
+    assert out is not None and ext.decode_attn_last_splits() > 1
+    ref = _reference(q, kc, vc, key_mask, 300)
+    assert float(((out.float() - ref).abs() - 2**-8 * ref.abs()).max()) <= 1e-5
+    assert fused.decode_attn(q, kc, vc, key_mask, sl, one_wave_only=True) is None
+
+
+@pytest.mark.parametrize("cluster", [True, False])
+def test_decode_attn_late_trigger_same_bits(cluster):
+    """The PDL trigger once a block's loads have landed (set_attn_late_trigger) changes when the next kernel may
+    start, not the result: the same bits as the trigger at the start, eager and behind a PDL-launched kernel."""
+    ext = fused._load()
+    q, kc, vc, key_mask, sl = _case(8, 28, 4, 128, 768, 500, seed=5)
+    early = fused.decode_attn(q, kc, vc, key_mask, sl, cluster=cluster)
+    ext.set_attn_late_trigger(True)
+    try:
+        late = fused.decode_attn(q, kc, vc, key_mask, sl, cluster=cluster)
+        chained = fused.decode_attn(q, kc, vc, key_mask, sl, cluster=cluster)  # (after a PDL launch of itself)
+    finally:
+        ext.set_attn_late_trigger(False)
+    assert torch.equal(early, late) and torch.equal(early, chained)
 
 
 def test_decode_attn_declines_what_it_does_not_take():
@@ -161,30 +223,33 @@ def model64():
 PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3, 2000, 1500, 17, 18]]
 
 
-def test_engine_decode_attn_same_policy(model64, monkeypatch):
-    """The engine's decode steps with the kernel (counted) against SDPA: greedy tokens agreeing, sampled tokens'
-    behaviour log-probs against a teacher-forced forward within the bounds of the SDPA engine; a declined call
-    falls back to SDPA with the mask built on the spot (the same tokens as SDPA)."""
+@pytest.mark.parametrize("mode", [True, "wave"])
+def test_engine_decode_attn_same_policy(model64, monkeypatch, mode):
+    """The engine's decode steps with the kernel (counted; everywhere, or only where its blocks fit one wave: all of
+    these small steps) against SDPA: greedy tokens agreeing, sampled tokens' behaviour log-probs against a
+    teacher-forced forward within the bounds of the SDPA engine; a declined call falls back to SDPA with the mask
+    built on the spot (the same tokens as SDPA)."""
     calls = []
     real = fused.decode_attn
 
     def counted(*a, **k):
-        calls.append(1)
+        calls.append(k.get("one_wave_only", False))
         return real(*a, **k)
 
     monkeypatch.setattr(fused, "decode_attn", counted)
     on, off = Engine(model64, "cuda"), Engine(model64, "cuda")
-    on.decode_attn, off.decode_attn = True, False
+    on.decode_attn, off.decode_attn = mode, False
     assert on._decode_attn_ok() and not off._decode_attn_ok()
     cfg = SamplingConfig(temperature=0, max_new_tokens=16)
     a = on.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert calls, "the decode steps never called fused.decode_attn"
+    assert all(c == (mode == "wave") for c in calls)
     n_on = len(calls)
     b = off.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert len(calls) == n_on  # SDPA engine: no call
     assert float((a.completion_ids[:, :4] == b.completion_ids[:, :4]).float().mean()) >= 0.75
     eager_engine = Engine(model64, "cuda", cuda_graph=False)
-    eager_engine.decode_attn = True
+    eager_engine.decode_attn = mode
     eager = eager_engine.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert torch.equal(a.completion_ids, eager.completion_ids)
     s = on.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=24), 5, set(), 0)

@@ -398,8 +398,8 @@ def test_teacher_forced_logprobs_in_row_chunks(model, monkeypatch):
         (lp * torch.arange(1, 13).view(3, 4)).sum().backward()
         res.append((lp.detach(), [p.grad.clone() for _, p in qlora.trainable(pm)]))
     torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=1e-6)
-    for a, b in zip(res[0][1], res[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(res[0][1], res[1][1]):  # (fp32 sums in another order: within 1e-5 of the gradient's scale)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     assert float(res[0][0][2, 1:].abs().max()) == 0.0  # masked positions are 0
     full = torch.log_softmax(eng.forward(*_tf_inputs(PROMPTS[1], comp[1])).float() / 0.8, -1)
     ref = full[0, len(PROMPTS[1]) - 1: len(PROMPTS[1]) + 3].gather(-1, comp[1][:, None]).squeeze(-1)
@@ -939,3 +939,25 @@ def test_fused_add_norm_wrapper_plumbing_on_cpu(monkeypatch):
             torch.testing.assert_close(hs, x.reshape(6, 16) @ a.t(), rtol=1e-6, atol=1e-6)
             assert seen[-1] == ((6, 16), 1 if w.dim() == 1 else 2, dd is None, dd is None)
     assert fused._add_rmsnorm(h, d, w, 1e-5)[2] is None
+
+
+def test_decode_attention_mode(model, monkeypatch):
+    """QERL_ENGINE_DECODE_ATTN: "auto" (the default) attends with the decode-attention kernel where its blocks fit
+    one wave ("wave") without an adapter and with SDPA (False) while one is set; 0, 1 and "wave" are taken as
+    given; anything else is one clear error."""
+    monkeypatch.delenv("QERL_ENGINE_DECODE_ATTN", raising=False)
+    eng = Engine(model)
+    assert eng.decode_attn == "auto" and eng._decode_attn_mode() == "wave"
+    eng.set_adapter(LoRA(_lora_factors(model, ["model.layers.0.self_attn.q_proj"]), scaling=2.0))
+    assert eng._decode_attn_mode() is False
+    eng.set_adapter(None)
+    assert eng._decode_attn_mode() == "wave"
+    assert not eng._decode_attn_ok()  # (no fused kernels on the CPU: SDPA whatever the mode)
+    for value, mode in (("0", False), ("1", True), ("wave", "wave")):
+        monkeypatch.setenv("QERL_ENGINE_DECODE_ATTN", value)
+        e = Engine(model)
+        e.set_adapter(LoRA(_lora_factors(model, ["model.layers.0.self_attn.q_proj"]), scaling=2.0))
+        assert e._decode_attn_mode() == mode and type(e._decode_attn_mode()) is type(mode)
+    monkeypatch.setenv("QERL_ENGINE_DECODE_ATTN", "yes")
+    with pytest.raises(QerlError, match="QERL_ENGINE_DECODE_ATTN"):
+        Engine(model)

@@ -492,11 +492,17 @@ class Engine:
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
         # torch ops; QERL_ENGINE_FUSED_SAMPLER=0 (or False) keeps torch's multinomial
         self.fused_sampler = os.environ.get("QERL_ENGINE_FUSED_SAMPLER", "1") != "0"
-        # opt-in (QERL_ENGINE_DECODE_ATTN=1 or True; session 16, compiled but not yet run on a GPU): with the fused
-        # kernels on, decode steps (one token per row, q from the rotary + KV-write kernel, no sliding window)
-        # attend with fused.decode_attn: the slots up to the step's only, each KV head's cache read once for its
-        # query heads, no additive mask built. Off: SDPA, as before
-        self.decode_attn = os.environ.get("QERL_ENGINE_DECODE_ATTN", "0") == "1"
+        # with the fused kernels on, decode steps (one token per row, q from the rotary + KV-write kernel, no sliding
+        # window) may attend with fused.decode_attn: the slots up to the step's only, each KV head's cache read once
+        # for its query heads, no additive mask built. QERL_ENGINE_DECODE_ATTN=1 (or True): wherever the kernel
+        # takes the shapes; "wave": only where its blocks fit one wave on the GPU (else SDPA); 0 (or False): SDPA;
+        # "auto" (the default): "wave" without an adapter, SDPA with one. Session 18 on an H100, 7B shapes at batch
+        # 8 interleaved (benchmarks/results/s18/): "wave" 2,256-2,318 tok/s against SDPA's 2,232-2,280 without an
+        # adapter, but 1,778-1,816 against 1,814-1,833 with a rank-32 one (slower in all four pairs, not understood)
+        mode = os.environ.get("QERL_ENGINE_DECODE_ATTN", "auto")
+        if mode not in ("0", "1", "wave", "auto"):
+            raise QerlError(f"QERL_ENGINE_DECODE_ATTN must be 0, 1, wave or auto, not {mode!r}.")
+        self.decode_attn: bool | str = mode if mode in ("wave", "auto") else mode == "1"
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -722,12 +728,20 @@ class Engine:
         # (with the kernels: the additive form once per forward, not a bool -> float conversion in every layer)
         return torch.zeros(mask.shape, dtype=additive, device=mask.device).masked_fill_(~mask, float("-inf"))
 
+    def _decode_attn_mode(self) -> bool | str:
+        """The decode-attention mode in force: ``decode_attn``, with "auto" resolved ("wave" without an adapter,
+        False — SDPA — with one)."""
+        if self.decode_attn == "auto":
+            return False if self.lora is not None else "wave"
+        return self.decode_attn
+
     def _decode_attn_ok(self) -> bool:
         """Whether decode steps attend with ``fused.decode_attn`` (q from the rotary + KV-write kernel, shapes the
-        kernel takes; it may still decline a call, e.g. for a cache of more slots than it takes)."""
-        return (self.decode_attn and self.window is None and self.qk_norm is None and self.head_dim in (64, 128)
-                and self.n_heads % self.n_kv == 0 and self.n_heads // self.n_kv <= 8
-                and all(f.get("qkv") is not None for f in self.fused) and _fk.available())
+        kernel takes; it may still decline a call, e.g. for a cache of more slots than it takes, or in "wave" mode
+        where its blocks do not fit one wave)."""
+        return bool(self._decode_attn_mode() and self.window is None and self.qk_norm is None
+                    and self.head_dim in (64, 128) and self.n_heads % self.n_kv == 0 and self.n_heads // self.n_kv <= 8
+                    and all(f.get("qkv") is not None for f in self.fused) and _fk.available())
 
     def _layer(self, i: int, h: torch.Tensor, w_in: torch.Tensor, w_post: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, mask: torch.Tensor, cache, slots: torch.Tensor | None) -> torch.Tensor:
@@ -768,7 +782,8 @@ class Engine:
             kc, vc = cache[i]
             q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
             if key_mask is not None and t == 1:
-                o = _fk.decode_attn(q, kc, vc, key_mask, slots[:1])
+                o = _fk.decode_attn(q, kc, vc, key_mask, slots[:1],
+                                    one_wave_only=self._decode_attn_mode() == "wave")
                 if o is not None:
                     return self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
             k, v = kc, vc

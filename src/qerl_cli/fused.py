@@ -213,20 +213,25 @@ def rope_kv(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Ten
 
 
 def decode_attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_mask: torch.Tensor, slot: torch.Tensor,
-                scale: float | None = None, splits: int = 0) -> torch.Tensor | None:
+                scale: float | None = None, splits: int = 0, cluster: bool | None = None,
+                one_wave_only: bool = False) -> torch.Tensor | None:
     """One decode step's attention ``[B, 1, H * D]`` (bf16) for ``q [B, H, 1, D]`` over the caches ``[B, KV, S, D]``
     (contiguous bf16; query head ``h`` reads KV head ``h // (H / KV)``): the slots ``0 ... slot`` (``slot``: one int64
     on the device, so a CUDA graph replays the step for a new slot) whose ``key_mask [B, >= S]`` entry is set, the
     step's own slot always; scores scaled by ``scale`` (default ``D ** -0.5``). fp32 scores, softmax and sums, one
     bf16 rounding. None (nothing computed) where the kernel does not take the tensors (D not 64 or 128, more than
     8 query heads per KV head, too many slots or rows). ``splits > 0`` asks for that many blocks per (row, KV head)
-    (raised to what the slot buffers need, at most 256); 0 lets the launcher choose."""
+    (raised to what the slot buffers need, at most 256); 0 lets the launcher choose. ``cluster``: 2 ... 8 splits
+    are added in a thread-block cluster (sm_90) when True, through a workspace when False, as ``QERL_ATTN_CLUSTER``
+    says when None (clusters unless it is 0); both give the same bits, and a cluster is taken only where all the
+    blocks fit one wave on the GPU. ``one_wave_only``: None unless they do (the regime where the kernel measured
+    faster than SDPA; with more blocks SDPA won or tied, session 18)."""
     if splits < 0:
         raise ValueError(f"decode_attn: splits must be >= 0, got {splits}")
     b, h, _, d = q.shape
     out = torch.empty((b, 1, h * d), dtype=q.dtype, device=q.device)
     ok = _load().decode_attn(q, kc, vc, key_mask, slot.reshape(1), out, float(d ** -0.5 if scale is None else scale),
-                             int(splits))
+                             int(splits), -1 if cluster is None else int(bool(cluster)), bool(one_wave_only))
     return out if ok else None
 
 
