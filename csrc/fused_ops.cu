@@ -1019,6 +1019,14 @@ bool attn_clusters_fit(int dev, int64_t pairs, int64_t splits, cudaStream_t stre
   int v = dev >= 0 && dev < 64 ? fit[dev][splits] : 0;
   if (v == 0) {
     attn_smem_limit<D>(dev);
+    // the cluster instructions exist in the sm_90 build only: a newer GPU that runs the compute_80 PTX (where they
+    // compile to nothing, csrc/warp_mma.cuh) must add the splits through the workspace
+    cudaFuncAttributes fa{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, decode_attn_kernel<D>));
+    if (fa.binaryVersion != 90 && fa.ptxVersion < 90) {
+      if (dev >= 0 && dev < 64) fit[dev][splits] = -1;
+      return false;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(splits), 1, 1);
     cfg.blockDim = dim3(kAttnThreads);
@@ -1032,8 +1040,8 @@ bool attn_clusters_fit(int dev, int64_t pairs, int64_t splits, cudaStream_t stre
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
     if (cudaOccupancyMaxActiveClusters(&v, decode_attn_kernel<D>, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // (not fatal: no cluster then)
-      v = 0;
+      (void)cudaGetLastError();  // (this query's own error, not fatal: no cluster this call; asked again next time)
+      return false;
     }
     if (v <= 0) v = -1;  // -1: none fit
     if (dev >= 0 && dev < 64) fit[dev][splits] = v;

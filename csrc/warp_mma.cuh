@@ -30,10 +30,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
 }
 
 // every thread of every CTA of the cluster arrives, then waits: shared-memory writes before it are visible to
-// the cluster's remote reads after it (sm_90; nothing before: the hosts launch clusters on sm_90 only)
+// the cluster's remote reads after it (sm_90). The three cluster helpers trap in a build for an older
+// architecture (the hosts launch clusters only where the sm_90 code runs): never a silent wrong result
 __device__ __forceinline__ void cluster_sync_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 
@@ -42,6 +45,8 @@ __device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
   uint32_t r = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
   return r;
 }
@@ -50,6 +55,8 @@ __device__ __forceinline__ float ld_cluster_f32(uint32_t addr) {
   float v = 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
   return v;
 }
