@@ -156,10 +156,12 @@ def correctness(model, tok_prompts: list[list[int]], eos: int) -> dict:
             "bf16_logprob_gap_max": float(gap.max()), "bf16_logprob_gap_mean": float(gap.mean())}
 
 
-def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lora_rank: int = 0) -> dict:
+def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lora_rank: int = 0,
+                   decode_attn=None) -> dict:
     """Where a decode step's GPU time goes: torch.profiler over an eager generate (same kernels as the graph),
     kernels grouped by name, divided by the decode steps; plus the CUDA-graph step time for comparison.
-    ``lora_rank``: with an adapter of that rank on every projection (the training case)."""
+    ``lora_rank``: with an adapter of that rank on every projection (the training case). ``decode_attn``: the
+    engines' decode-attention mode (None: their default)."""
     from torch.profiler import ProfilerActivity, profile
 
     ps = prompts(batch, p_len, vocab)
@@ -167,6 +169,8 @@ def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lor
     lora = random_lora(model, lora_rank) if lora_rank else None
     eager = Engine(model, "cuda", cuda_graph=False)
     eager.set_adapter(lora)
+    if decode_attn is not None:
+        eager.decode_attn = decode_attn
     eager.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -182,9 +186,11 @@ def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lor
     total = sum(v["us_total"] for v in kernels.values())
     graph = Engine(model, "cuda", cuda_graph=True)
     graph.set_adapter(lora)
+    if decode_attn is not None:
+        graph.decode_attn = decode_attn
     graph.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
     g = graph.generate(ps, 1, cfg, 1, set(), 0)
-    out = {"batch": batch, "prompt": p_len, "new_tokens": new, "lora_rank": lora_rank,
+    out = {"batch": batch, "prompt": p_len, "new_tokens": new, "lora_rank": lora_rank, "decode_attn": decode_attn,
            "gpu_kernel_us_total_incl_prefill": total, "kernel_launches": sum(v["calls"] for v in kernels.values()),
            "eager_decode_ms_per_step": 1e3 * b.timings["decode_s"] / steps,
            "graph_decode_ms_per_step": 1e3 * g.timings["decode_s"] / g.timings["decode_steps"],
@@ -222,6 +228,9 @@ def main() -> None:
                     help="7B shapes (NVFP4), 256 -> 512 tokens: decode steps attending with fused.decode_attn "
                          "(PDL trigger early and late) against SDPA, interleaved: batch 8 without and with a rank-32 "
                          "adapter twice each, batch 64 once")
+    ap.add_argument("--decode-attn-lora", action="store_true",
+                    help="7B shapes (NVFP4), batch 8, rank-32 adapter: decode attention in our kernel against SDPA "
+                         "with PDL on and off, interleaved twice, then per-kernel profiles of both without PDL")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -267,6 +276,8 @@ def main() -> None:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.decode_attn:
         attn_part(rows, save)
+    elif args.decode_attn_lora:
+        attn_lora_part(result, rows, save)
     elif args.rl_batches:
         rl_part(rows, save, [int(b) for b in args.rl_batches.split(",") if b.strip()])
     elif args.lora_only:
@@ -450,6 +461,32 @@ def attn_part(rows, save) -> None:
                 finally:
                     fused._load().set_attn_late_trigger(False)
                 save()
+
+
+def attn_lora_part(result, rows, save) -> None:
+    """Why decode attention in our kernel measured slower than SDPA with an adapter (session 18) while faster
+    without one: 7B shapes (NVFP4), batch 8, rank 32, 256 -> 512 tokens, the kernel ("wave") against SDPA with
+    programmatic dependent launch on and off, interleaved twice; then a per-kernel profile of both with PDL off
+    (with PDL a kernel's profiled time includes its wait for the one before)."""
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    for _ in range(2):
+        for pdl in (True, False):
+            for attn in ("wave", False):
+                name = "ours-nvfp4 +lora32" + (" attn:wave" if attn else " sdpa") + ("" if pdl else " no-PDL")
+                run = lambda attn=attn: time_engine(big, 8, 256, 512, 152064, lora_rank=32, decode_attn=attn)  # noqa: E731
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
+                             **(run() if pdl else without_pdl(run))})
+                save()
+    for attn in ("wave", False):
+        key = f"qwen7b_nvfp4_lora32_decode_profile_b8_{'attn_wave' if attn else 'sdpa'}_nopdl"
+        try:
+            result[key] = without_pdl(lambda attn=attn: profile_decode(big, 8, 256, 152064, lora_rank=32,
+                                                                       decode_attn=attn))
+        except Exception as e:  # a diagnosis: never lose the throughput rows to it
+            result[key] = {"error": repr(e)}
+        save()
 
 
 def rl_part(rows, save, batches: list[int]) -> None:

@@ -94,6 +94,8 @@
 #                                  the 7B-shape rollouts with and without it, interleaved
 #   40                             session 18 (decode attention rewritten on the tensor cores, splits added in a
 #                                  thread-block cluster): what 39 runs
+#   41                             session 18, prepared: build, the 7B-shape rollouts with a rank-32 adapter, decode
+#                                  attention in our kernel against SDPA with PDL on and off, per-kernel profiles
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -138,7 +140,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 40 (see above)}"
+PART="${1:?part 1 to 41 (see above)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -522,6 +524,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 560 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --decode-attn \
     --json "$OUT/rollout_7b_decode_attn.json" 2>&1 | tee "$OUT/bench_rollout_7b_decode_attn.log" | grep -v '^{'
   stamp "$PART" "decode-attention rollouts done"
+  ;;
+41)
+  # prepared in session 18, not yet run: why decode attention in our kernel loses with an adapter (PDL on / off)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  build; stamp 41 "kernels built"
+  timeout $(( 560 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --decode-attn-lora \
+    --json "$OUT/rollout_7b_attn_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_attn_lora.log" | grep -v '^{'
+  stamp 41 "decode-attention adapter rollouts and profiles done"
   ;;
 8)
   build; stamp 8 "kernels built"
