@@ -1019,14 +1019,6 @@ bool attn_clusters_fit(int dev, int64_t pairs, int64_t splits, cudaStream_t stre
   int v = dev >= 0 && dev < 64 ? fit[dev][splits] : 0;
   if (v == 0) {
     attn_smem_limit<D>(dev);
-    // the cluster instructions exist in the sm_90 build only: a newer GPU that runs the compute_80 PTX (where they
-    // compile to nothing, csrc/warp_mma.cuh) must add the splits through the workspace
-    cudaFuncAttributes fa{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, decode_attn_kernel<D>));
-    if (fa.binaryVersion != 90 && fa.ptxVersion < 90) {
-      if (dev >= 0 && dev < 64) fit[dev][splits] = -1;
-      return false;
-    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(splits), 1, 1);
     cfg.blockDim = dim3(kAttnThreads);
@@ -1118,6 +1110,7 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   if (need > kAttnMaxSplits) return false;
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t pairs = B * KV;
+  // (device_supports: this build's sm_90 code runs on the device, so the cluster instructions are real)
   const bool cluster_ok = (cluster_req < 0 ? cluster_env : cluster_req > 0) && qerl_pdl::device_supports(dev);
   // about two blocks per SM, at least 32 slots each; at most a cluster's worth where the buffers allow
   int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);

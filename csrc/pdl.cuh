@@ -12,8 +12,9 @@
 // calls it (every torch kernel, every copy) completes before its successor starts, hence before anything later
 // starts: the LoRA factors and the packed weights (written by torch ops and copies, never by a qerl kernel) are
 // safe to load before the wait.
-// Kernels launched without the attribute (or by torch) order as usual; on GPUs before sm_90 both calls compile
-// to nothing and launch() leaves the attribute off. QERL_PDL=0 turns the attribute off everywhere.
+// Kernels launched without the attribute (or by torch) order as usual; in code built for an architecture before
+// sm_90 both calls compile to nothing, and launch() leaves the attribute off wherever that code is what runs
+// (device_supports). QERL_PDL=0 turns the attribute off everywhere.
 #pragma once
 
 #include <cstdint>
@@ -52,15 +53,36 @@ inline int& enabled_flag() {
   return v;
 }
 
+// an empty kernel built with this extension's own arch flags (device_supports asks which code of it a device runs)
+static __global__ void sm90_probe_kernel() {}
+
+// whether this extension's sm_90 code runs on device dev: compute capability 9 or newer, and a binary built for
+// sm_90 or from compute_90 PTX or newer. A newer GPU running the compute_80 PTX (no exact cubin among the default
+// arch flags) has trigger(), wait() and the cluster instructions compiled to nothing: it gets neither PDL nor
+// clusters (review, session 18: the decode-attention cluster path would have written NaN there)
 inline bool device_supports(int dev) {
-  static int major[64] = {0};  // 0: not asked yet (benign race: every writer stores the same value)
+  static int ok[64] = {0};  // 0: not asked yet, 1 / -1 (benign race: every writer stores the same value)
   if (dev < 0 || dev >= 64) return false;
-  if (major[dev] == 0) {
-    int v = 1;
-    cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev);
-    major[dev] = v;
+  if (ok[dev] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    bool yes = major >= 9;
+    if (yes) {
+      int cur = 0;
+      cudaGetDevice(&cur);
+      if (cur != dev) cudaSetDevice(dev);
+      cudaFuncAttributes fa{};
+      if (cudaFuncGetAttributes(&fa, sm90_probe_kernel) != cudaSuccess) {
+        (void)cudaGetLastError();  // (this query's own error: no sm_90 features then)
+        yes = false;
+      } else {
+        yes = fa.binaryVersion == 90 || fa.ptxVersion >= 90;
+      }
+      if (cur != dev) cudaSetDevice(cur);
+    }
+    ok[dev] = yes ? 1 : -1;
   }
-  return major[dev] >= 9;
+  return ok[dev] > 0;
 }
 
 // kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute where enabled and supported, and as
