@@ -240,6 +240,7 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch, mode):
     on, off = Engine(model64, "cuda"), Engine(model64, "cuda")
     on.decode_attn, off.decode_attn = mode, False
     assert on._decode_attn_ok() and not off._decode_attn_ok()
+    assert on.decode_attention().startswith("fused.decode_attn") and off.decode_attention() == "SDPA"
     cfg = SamplingConfig(temperature=0, max_new_tokens=16)
     a = on.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert calls, "the decode steps never called fused.decode_attn"

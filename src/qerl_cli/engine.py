@@ -903,6 +903,14 @@ class Engine:
             return "fused Gumbel-max on Philox4x32-10 (key: seed; counter: token // 4, step, row)"
         return "torch.multinomial (torch.Generator seeded per call)"
 
+    def decode_attention(self) -> str:
+        """How decode steps attend now (recorded with a rollout: our kernel and SDPA round differently)."""
+        if not (self._kernels and self.device.type == "cuda" and self._decode_attn_ok()):
+            return "SDPA"
+        if self._decode_attn_mode() == "wave":
+            return "fused.decode_attn where its blocks fit one wave on the GPU, else SDPA"
+        return "fused.decode_attn where it takes the shapes, else SDPA"
+
     def _fast_sampling(self, cfg: SamplingConfig, vocab: int) -> bool:
         """Whether decode steps draw in the fused sampling kernel: CUDA with the fused kernels, temperature > 0,
         nothing truncated (the kernel draws from the whole tempered softmax, as ``sample`` does then)."""

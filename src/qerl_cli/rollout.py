@@ -228,7 +228,8 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
                                   "adapter_digest": lora.digest if lora else None,
                                   "cuda_graph": eng.use_graph and cfg.engine == "ours",
                                   "sampler": (eng.sampler(cfg.sampling(), eng.lm_head.weight.shape[0])
-                                              if cfg.engine == "ours" else cfg.engine)},
+                                              if cfg.engine == "ours" else cfg.engine),
+                                  "decode_attention": eng.decode_attention() if cfg.engine == "ours" else cfg.engine},
                 "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION, "verifier": scoring,
                 "noise": noise_states, "summary": summary}
         (tmp / names.ROLLOUT_META).write_text(json.dumps(meta, indent=1) + "\n")
