@@ -328,3 +328,87 @@ def test_engine_with_kernels_matches_engine_without(model):
     assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
     beh = (lp_on.cpu() - s.behaviour_logprobs).abs()[s.completion_mask]
     assert float(beh.max()) < 0.25 and float(beh.mean()) < 0.03
+
+
+def test_l2_prefetch_is_a_hint_only():
+    """fused.l2_prefetch launches on sm_90 (the bulk prefetch exists there), changes no value, keeps a chain of
+    kernels ordered (a linear after it reads what the kernel before it wrote, eager and in a CUDA graph) and
+    rejects a range outside the tensor with one clear error."""
+    from qerl_cli import kernel
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk L2 prefetch needs sm_90")
+    w = torch.randint(0, 256, (3 * 2**20 + 48,), dtype=torch.uint8, device="cuda")
+    before = w.clone()
+    assert fused.l2_prefetch(w) and fused.l2_prefetch(w, 2**20, offset=4096)
+    assert not fused.l2_prefetch(w, 0)  # an empty range launches nothing
+    torch.cuda.synchronize()
+    assert torch.equal(w, before)
+    with pytest.raises(RuntimeError, match="l2_prefetch range"):
+        fused._load().l2_prefetch(w, w.numel() - 16, 32)
+    with pytest.raises(RuntimeError, match="l2_prefetch range"):
+        fused._load().l2_prefetch(w, 8, 16)
+    if not kernel.available():
+        return
+    from test_kernel import make_packed  # noqa: PLC0415
+
+    shapes = [(4608, 3584), (3584, 4608), (18944, 3584), (3584, 18944)]
+    weights = [(*make_packed(n, k, device="cuda", seed=i), n, k) for i, (n, k) in enumerate(shapes)]
+    x0 = torch.randn(8, 3584, device="cuda", dtype=torch.bfloat16) * 0.05
+
+    def chain(pf: bool) -> torch.Tensor:
+        x = x0
+        for qw, gs, n, k in weights:
+            if pf:
+                fused.l2_prefetch(qw)
+            x = kernel.linear(x, qw, gs, n, k)
+        return x
+
+    base = chain(False)
+    assert torch.equal(chain(True), base)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = chain(True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, base)
+
+
+def test_engine_l2_prefetch_same_policy():
+    """A packed model's rollout with the gate/up L2 prefetch at either place gives the same tokens and behaviour
+    log-probs, bit for bit, as without it (it is a hint), with and without an adapter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qerl_cli.engine import LoRA
+    from qerl_cli.packed_model import pack_model_inplace
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk L2 prefetch needs sm_90")
+    torch.manual_seed(2)
+    conf = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=2, initializer_range=0.08)
+    m = pack_model_inplace(LlamaForCausalLM(conf).to("cuda", torch.bfloat16).eval())
+    g = torch.Generator(device="cuda").manual_seed(4)
+    factors = {}
+    for name, mod in m.named_modules():
+        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            factors[name] = (torch.randn(8, mod.in_features, device="cuda", generator=g) * 0.05,
+                             torch.randn(mod.out_features, 8, device="cuda", generator=g) * 0.05)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    for lora in (None, LoRA(factors, scaling=2.0)):
+        runs = []
+        for setting in ((0.0, "attn"), (1.0, "attn"), (64.0, "start")):
+            eng = Engine(m, "cuda")
+            eng.set_adapter(lora)
+            eng.l2_prefetch_mib, eng.l2_prefetch_at = setting
+            runs.append(eng.generate(PROMPTS, 2, cfg, 9, set(), 0))
+        for r in runs[1:]:
+            assert torch.equal(r.completion_ids, runs[0].completion_ids)
+            assert torch.equal(r.behaviour_logprobs, runs[0].behaviour_logprobs)
