@@ -547,6 +547,8 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     tests/test_engine_gpu.py::test_pdl_on_off_identical_packed_qwen2 tests/test_fused_gpu.py::test_l2_prefetch_is_a_hint_only \
     tests/test_fused_gpu.py::test_engine_l2_prefetch_same_policy > "$OUT/gpu_tests_42.log" 2>&1
   tail -n 15 "$OUT/gpu_tests_42.log"; stamp 42 "GPU tests done"
+  timeout 90 python3 benchmarks/probe_l2_prefetch.py --json "$OUT/probe_l2pf.json" 2>&1 | tee "$OUT/probe_l2pf.log"
+  stamp 42 "L2-prefetch probe done"
   timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 \
     --l2-prefetch "${L2PF:-0 24 40 24@start}" --json "$OUT/rollout_7b_l2pf.json" 2>&1 \
     | tee "$OUT/bench_rollout_7b_l2pf.log" | grep -v '^{'
