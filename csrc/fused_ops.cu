@@ -1158,12 +1158,15 @@ bool l2_prefetch(const at::Tensor& t, int64_t offset, int64_t nbytes) {
   const int dev = t.get_device();
   if (nbytes == 0 || !qerl_pdl::device_supports(dev)) return false;
   const c10::cuda::CUDAGuard guard(t.device());
-  constexpr int64_t kChunk = int64_t(1) << 16;  // 64 KiB per bulk prefetch
-  constexpr int kThreads = 128;
-  const int64_t n = (nbytes + kChunk - 1) / kChunk;
+  // one warp per block, about one block per SM (each SM's bulk-copy unit issues its share of the requests), at
+  // least 4 KiB per prefetch
+  constexpr int kThreads = 32;
+  const int64_t per = (nbytes + int64_t(sm_count(dev)) * kThreads - 1) / (int64_t(sm_count(dev)) * kThreads);
+  const int64_t chunk = std::max<int64_t>(4096, (per + 15) / 16 * 16);
+  const int64_t n = (nbytes + chunk - 1) / chunk;
   C10_CUDA_CHECK(qerl_pdl::launch(l2_prefetch_kernel, dim3(blocks_for(n, kThreads)), dim3(kThreads), 0,
                                   c10::cuda::getCurrentCUDAStream().stream(), dev,
-                                  reinterpret_cast<const uint8_t*>(base), nbytes, kChunk));
+                                  reinterpret_cast<const uint8_t*>(base), nbytes, chunk));
   return true;
 }
 
