@@ -511,8 +511,8 @@ def l2_prefetch_part(rows, save, settings: list[tuple[float, str]]) -> None:
     big = pack_model_inplace(random_model(qwen7b_config()))
     gc.collect()
     torch.cuda.empty_cache()
-    for _ in range(2):
-        for rank in (0, 32):
+    for rank in (0, 32):  # (without the adapter first: a run cut short keeps its complete rounds)
+        for _ in range(2):
             for mib, at in settings:
                 name = "ours-nvfp4" + (f" +lora{rank}" if rank else "") + (f" l2pf {mib:g}MiB@{at}" if mib else "")
                 rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,

@@ -542,14 +542,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # tests, then the 7B-shape rollouts with the gate/up weight's L2 prefetch at several sizes and places
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   build; stamp 42 "kernels built"
-  COLUMNS=200 timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_decode_attn_gpu.py \
+  COLUMNS=200 timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_decode_attn_gpu.py \
     "tests/test_kernel.py::test_gpu_cluster_split_equals_workspace_split" "tests/test_kernel.py::test_gpu_pdl_chain_identical" \
     tests/test_engine_gpu.py::test_pdl_on_off_identical_packed_qwen2 tests/test_fused_gpu.py::test_l2_prefetch_is_a_hint_only \
     tests/test_fused_gpu.py::test_engine_l2_prefetch_same_policy > "$OUT/gpu_tests_42.log" 2>&1
   tail -n 15 "$OUT/gpu_tests_42.log"; stamp 42 "GPU tests done"
-  timeout 90 python3 benchmarks/probe_l2_prefetch.py --json "$OUT/probe_l2pf.json" 2>&1 | tee "$OUT/probe_l2pf.log"
+  timeout 45 python3 benchmarks/probe_l2_prefetch.py --json "$OUT/probe_l2pf.json" 2>&1 | tee "$OUT/probe_l2pf.log"
   stamp 42 "L2-prefetch probe done"
-  timeout $(( 590 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 \
+  timeout $(( ${LIMIT:-590} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 \
     --l2-prefetch "${L2PF:-0 24 40 24@start}" --json "$OUT/rollout_7b_l2pf.json" 2>&1 \
     | tee "$OUT/bench_rollout_7b_l2pf.log" | grep -v '^{'
   stamp 42 "L2-prefetch rollouts done"
