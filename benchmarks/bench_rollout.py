@@ -83,12 +83,10 @@ def random_lora(model, rank: int) -> LoRA:
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
-                decode_attn=None, l2_prefetch=None, **engine_kw) -> dict:
+                decode_attn=None, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     if decode_attn is not None:  # (None: the engine's default)
         eng.decode_attn = decode_attn
-    if l2_prefetch is not None:  # (MiB, "start" | "attn"); None: the engine's default
-        eng.l2_prefetch_mib, eng.l2_prefetch_at = l2_prefetch
     if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
         eng.set_noise(sigma, 0, noise_scope, batch if noise_scope == "group" else 1, 1)
     eng.fused_sampler = fused_sampler
@@ -233,10 +231,6 @@ def main() -> None:
     ap.add_argument("--decode-attn-lora", action="store_true",
                     help="7B shapes (NVFP4), batch 8, rank-32 adapter: decode attention in our kernel against SDPA "
                          "with PDL on and off, interleaved twice, then per-kernel profiles of both without PDL")
-    ap.add_argument("--l2-prefetch", default=None, metavar="SPECS",
-                    help="7B shapes (NVFP4), batch 8, 256 -> 512 tokens, without and with a rank-32 adapter: each "
-                         "setting of the gate/up L2 prefetch (space-separated MiB[@start|@attn], e.g. '0 16 32@start'), "
-                         "interleaved twice")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -284,8 +278,6 @@ def main() -> None:
         attn_part(rows, save)
     elif args.decode_attn_lora:
         attn_lora_part(result, rows, save)
-    elif args.l2_prefetch is not None:
-        l2_prefetch_part(rows, save, [parse_prefetch(t) for t in args.l2_prefetch.split()])
     elif args.rl_batches:
         rl_part(rows, save, [int(b) for b in args.rl_batches.split(",") if b.strip()])
     elif args.lora_only:
@@ -495,29 +487,6 @@ def attn_lora_part(result, rows, save) -> None:
         except Exception as e:  # a diagnosis: never lose the throughput rows to it
             result[key] = {"error": repr(e)}
         save()
-
-
-def parse_prefetch(spec: str) -> tuple[float, str]:
-    """'16' -> (16.0, 'attn'); '32@start' -> (32.0, 'start')."""
-    mib, _, at = spec.partition("@")
-    if (at or "attn") not in ("start", "attn") or float(mib) < 0:
-        raise SystemExit(f"bench_rollout: bad --l2-prefetch setting {spec!r} (MiB[@start|@attn])")
-    return float(mib), at or "attn"
-
-
-def l2_prefetch_part(rows, save, settings: list[tuple[float, str]]) -> None:
-    """The gate/up weight's L2 prefetch during the latency-bound kernels of each layer (session 19): 7B shapes
-    (NVFP4), batch 8, 256 -> 512 tokens, each setting without and with a rank-32 adapter, interleaved twice."""
-    big = pack_model_inplace(random_model(qwen7b_config()))
-    gc.collect()
-    torch.cuda.empty_cache()
-    for rank in (0, 32):  # (without the adapter first: a run cut short keeps its complete rounds)
-        for _ in range(2):
-            for mib, at in settings:
-                name = "ours-nvfp4" + (f" +lora{rank}" if rank else "") + (f" l2pf {mib:g}MiB@{at}" if mib else "")
-                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
-                             **time_engine(big, 8, 256, 512, 152064, lora_rank=rank, l2_prefetch=(mib, at))})
-                save()
 
 
 def rl_part(rows, save, batches: list[int]) -> None:

@@ -652,18 +652,6 @@ __global__ void __launch_bounds__(kSampleThreads) sample_step_kernel(
   }
 }
 
-
-// L2 prefetch of [p, p + bytes) (bytes a multiple of 16, p 16-byte aligned), one bulk prefetch of at most `chunk`
-// bytes per thread, issued before the PDL wait: launched right after a latency-bound kernel, it fills L2 with a
-// weight that a later kernel streams, while DRAM is otherwise idle. The wait keeps the chain transitive: the
-// kernel after this one waits for this grid, and this grid completes only after the one before it.
-__global__ void l2_prefetch_kernel(const uint8_t* __restrict__ p, int64_t bytes, int64_t chunk) {
-  qerl_pdl::trigger();
-  const int64_t off = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * chunk;
-  if (off < bytes) qerl_pdl::prefetch_l2(p + off, static_cast<uint32_t>(min(chunk, bytes - off)));
-  qerl_pdl::wait();
-}
-
 #ifndef QERL_NO_TORCH
 
 namespace {
@@ -1144,32 +1132,6 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   return true;
 }
 
-// L2 prefetch of bytes [offset, offset + nbytes) of t (any CUDA tensor; both multiples of 16 and inside it) by
-// l2_prefetch_kernel, launched with PDL. False (nothing launched) where this build's sm_90 code does not run on
-// the device (no bulk prefetch there) or the range is empty.
-bool l2_prefetch(const at::Tensor& t, int64_t offset, int64_t nbytes) {
-  QERL_CHECK(t.is_cuda() && t.is_contiguous(), "qerl_fused: l2_prefetch needs a contiguous CUDA tensor");
-  const int64_t size = t.numel() * static_cast<int64_t>(t.element_size());
-  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr()) + static_cast<uintptr_t>(offset);
-  QERL_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= size && offset % 16 == 0 && nbytes % 16 == 0 &&
-                 base % 16 == 0,
-             "qerl_fused: l2_prefetch range [%lld, %lld) of a %lld-byte tensor must be 16-byte aligned and inside it",
-             (long long)offset, (long long)(offset + nbytes), (long long)size);
-  const int dev = t.get_device();
-  if (nbytes == 0 || !qerl_pdl::device_supports(dev)) return false;
-  const c10::cuda::CUDAGuard guard(t.device());
-  // one warp per block, about one block per SM (each SM's bulk-copy unit issues its share of the requests), at
-  // least 4 KiB per prefetch
-  constexpr int kThreads = 32;
-  const int64_t per = (nbytes + int64_t(sm_count(dev)) * kThreads - 1) / (int64_t(sm_count(dev)) * kThreads);
-  const int64_t chunk = std::max<int64_t>(4096, (per + 15) / 16 * 16);
-  const int64_t n = (nbytes + chunk - 1) / chunk;
-  C10_CUDA_CHECK(qerl_pdl::launch(l2_prefetch_kernel, dim3(blocks_for(n, kThreads)), dim3(kThreads), 0,
-                                  c10::cuda::getCurrentCUDAStream().stream(), dev,
-                                  reinterpret_cast<const uint8_t*>(base), nbytes, chunk));
-  return true;
-}
-
 // one self-resetting ticket per row for sample_step_kernel, per (device, stream) (launches on one stream are
 // serialized, so they can share it)
 int* sample_counters(const at::Tensor& like) {
@@ -1257,7 +1219,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "does not take the tensors",
         py::arg("q"), py::arg("kc"), py::arg("vc"), py::arg("key_mask"), py::arg("slot"), py::arg("out"),
         py::arg("scale"), py::arg("splits") = 0, py::arg("cluster") = -1, py::arg("one_wave_only") = false);
-  m.def("l2_prefetch", &qerl_fused::l2_prefetch, "L2 prefetch of bytes [offset, offset + nbytes) of a tensor (PDL)");
   m.def("decode_attn_last_splits", [] { return qerl_fused::g_attn_last; },
         "the last decode_attn launch's splits, negative when they were added in a thread-block cluster");
   m.def("set_attn_late_trigger", [](bool on) { qerl_fused::g_attn_late_trigger = on ? 1 : 0; },

@@ -961,27 +961,3 @@ def test_decode_attention_mode(model, monkeypatch):
     monkeypatch.setenv("QERL_ENGINE_DECODE_ATTN", "yes")
     with pytest.raises(QerlError, match="QERL_ENGINE_DECODE_ATTN"):
         Engine(model)
-
-
-def test_l2_prefetch_setting(model, monkeypatch):
-    """QERL_ENGINE_L2_PREFETCH (MiB of each layer's gate/up weight, default 0: none) and
-    QERL_ENGINE_L2_PREFETCH_AT (start / attn, default attn); anything else is one clear error. On the CPU the
-    forward launches nothing and gives the same log-probs with it set."""
-    monkeypatch.delenv("QERL_ENGINE_L2_PREFETCH", raising=False)
-    monkeypatch.delenv("QERL_ENGINE_L2_PREFETCH_AT", raising=False)
-    eng = Engine(model)
-    assert (eng.l2_prefetch_mib, eng.l2_prefetch_at) == (0.0, "attn")
-    monkeypatch.setenv("QERL_ENGINE_L2_PREFETCH", "24")
-    monkeypatch.setenv("QERL_ENGINE_L2_PREFETCH_AT", "start")
-    e2 = Engine(model)
-    assert (e2.l2_prefetch_mib, e2.l2_prefetch_at) == (24.0, "start")
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)
-    a, b = (e.generate([[1, 2, 3], [4, 5]], 2, cfg, 3, set(), 0) for e in (eng, e2))
-    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
-    for key, value in (("QERL_ENGINE_L2_PREFETCH", "-1"), ("QERL_ENGINE_L2_PREFETCH", "lots"),
-                       ("QERL_ENGINE_L2_PREFETCH", "nan"), ("QERL_ENGINE_L2_PREFETCH_AT", "later")):
-        monkeypatch.setenv("QERL_ENGINE_L2_PREFETCH", "8")
-        monkeypatch.setenv("QERL_ENGINE_L2_PREFETCH_AT", "attn")
-        monkeypatch.setenv(key, value)
-        with pytest.raises(QerlError, match=key + " must be"):
-            Engine(model)

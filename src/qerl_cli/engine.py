@@ -346,20 +346,6 @@ def _fused_bias(bases: list, device) -> torch.Tensor | None:
                       torch.zeros(b.out_features, dtype=given[0].dtype, device=device) for b in bases])
 
 
-def _l2_prefetch_setting() -> tuple[float, str]:
-    """``(MiB, where)`` from ``QERL_ENGINE_L2_PREFETCH`` / ``QERL_ENGINE_L2_PREFETCH_AT`` (see ``Engine.__init__``)."""
-    raw, at = os.environ.get("QERL_ENGINE_L2_PREFETCH", "0"), os.environ.get("QERL_ENGINE_L2_PREFETCH_AT", "attn")
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = -1.0
-    if not (math.isfinite(mib) and mib >= 0):
-        raise QerlError(f"QERL_ENGINE_L2_PREFETCH must be a number of MiB >= 0, not {raw!r}.")
-    if at not in ("start", "attn"):
-        raise QerlError(f"QERL_ENGINE_L2_PREFETCH_AT must be start or attn, not {at!r}.")
-    return mib, at
-
-
 class _Fused:
     """One matmul for a group of sibling linears (views of one weight buffer) and the slices of its output."""
 
@@ -517,11 +503,6 @@ class Engine:
         if mode not in ("0", "1", "wave", "auto"):
             raise QerlError(f"QERL_ENGINE_DECODE_ATTN must be 0, 1, wave or auto, not {mode!r}.")
         self.decode_attn: bool | str = mode if mode in ("wave", "auto") else mode == "1"
-        # decode steps with the fused kernels may start an L2 prefetch of the first MiB of each layer's packed gate/up
-        # weight (fused.l2_prefetch) while the latency-bound kernels before it run and DRAM is mostly idle:
-        # QERL_ENGINE_L2_PREFETCH=<MiB> (0, the default: none), issued at the layer's start ("start") or after the
-        # rotary + KV-write kernel ("attn", the default) as QERL_ENGINE_L2_PREFETCH_AT says
-        self.l2_prefetch_mib, self.l2_prefetch_at = _l2_prefetch_setting()
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -800,8 +781,6 @@ class Engine:
         if kernels and f is not None and cache is not None and self.head_dim % 16 == 0 and qkn is None:
             kc, vc = cache[i]
             q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
-            if t == 1 and self.l2_prefetch_at == "attn":
-                self._l2_prefetch(i)
             if key_mask is not None and t == 1:
                 o = _fk.decode_attn(q, kc, vc, key_mask, slots[:1],
                                     one_wave_only=self._decode_attn_mode() == "wave")
@@ -853,20 +832,10 @@ class Engine:
         t_qkv, t_gu = (self._shrink_terms(self.fused[i].get(k), h) for k in ("qkv", "gate_up"))
         t_down = self._shrink_terms(self.layers[i].mlp.down_proj, h)
         h, x, s_qkv = self._add_norm(h, pending, w_in, t_qkv)
-        if cache is not None and h.shape[1] == 1 and self.l2_prefetch_at == "start":
-            self._l2_prefetch(i)
         o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True, shrunk=s_qkv,
                             key_mask=key_mask)
         h, x, s_gu = self._add_norm(h, o, w_post, t_gu)
         return h, self._mlp(i, x, _silu_mul_kernel, s_gu, t_down)
-
-    def _l2_prefetch(self, i: int) -> None:
-        """Start the L2 prefetch of the first ``l2_prefetch_mib`` MiB of layer ``i``'s packed gate/up weight (a
-        decode step with the fused kernels; nothing for bf16 weights or without the setting)."""
-        f = self.fused[i].get("gate_up")
-        w = getattr(getattr(f, "base", None), "qweight", None)
-        if self.l2_prefetch_mib > 0 and w is not None and w.is_cuda:
-            _fk.l2_prefetch(w, int(self.l2_prefetch_mib * 2**20))
 
     def _add_norm(self, h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, terms: tuple | None):
         """``fused.add_norm``, with the LoRA shrink of ``terms`` in the same kernel where it takes them:

@@ -19,8 +19,6 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
   projections that read it: no separate shrink launch; ``lora_expand(y, hs, bs)`` -> ``y + hs @ bs`` is then the
   rest of ``lora_add`` (decode steps of at most 16 rows), and ``lora_shrink(x, a)`` its first kernel alone (for
   ``kernel.linear_lora``, which adds ``hs @ bs`` inside the NVFP4 product);
-* ``l2_prefetch(t, nbytes, offset)``: an L2 prefetch of part of a tensor (a packed weight that a later kernel
-  streams) issued while the kernel before it runs (PDL), a hint only;
 * ``sample_step(...)``: one decode step's draw at temperature T without truncation (the Gumbel-max trick on
   Philox4x32-10 noise keyed by seed, step and row: an exact draw from the tempered softmax) with its log-prob and
   the step's bookkeeping (finished rows, eos, pad, mask, the log-prob columns), in one kernel.
@@ -43,8 +41,7 @@ import torch
 from . import kernel
 
 __all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "decode_attn", "lora_add",
-           "add_norm_shrink", "silu_mul_shrink", "lora_expand", "lora_shrink", "sample_step", "l2_prefetch",
-           "LORA_MAX_ROWS"]
+           "add_norm_shrink", "silu_mul_shrink", "lora_expand", "lora_shrink", "sample_step", "LORA_MAX_ROWS"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
 LORA_MAX_ROWS = 16  # lora_add's most rows (kLoraMaxM)
@@ -236,19 +233,6 @@ def decode_attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_mask: t
     ok = _load().decode_attn(q, kc, vc, key_mask, slot.reshape(1), out, float(d ** -0.5 if scale is None else scale),
                              int(splits), -1 if cluster is None else int(bool(cluster)), bool(one_wave_only))
     return out if ok else None
-
-
-def l2_prefetch(t: torch.Tensor, nbytes: int | None = None, offset: int = 0) -> bool:
-    """Start an L2 prefetch of bytes ``[offset, offset + nbytes)`` of the contiguous CUDA tensor ``t`` (all of it
-    from ``offset`` when ``nbytes`` is None; both rounded down to 16 bytes) in a small kernel launched with PDL:
-    its bulk prefetches are issued before it waits for the kernel before it, so a weight that a later kernel
-    streams comes into L2 while a latency-bound kernel runs and DRAM is otherwise idle. A hint only: no value
-    changes. False (nothing launched) where the extension's sm_90 code does not run on the device or the range is
-    empty."""
-    size = t.numel() * t.element_size()
-    offset = max(0, int(offset)) // 16 * 16
-    n = (size - offset if nbytes is None else min(int(nbytes), size - offset)) // 16 * 16
-    return bool(_load().l2_prefetch(t, offset, max(n, 0)))
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: torch.Tensor,
