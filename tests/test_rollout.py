@@ -70,10 +70,22 @@ def test_adapter_is_applied_and_recorded(pipeline, tmp_path):
     a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "with", adapter=ad, **kw)
     b = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "without", **kw)
     meta = json.loads(a.file(names.ROLLOUT_META).read_text())
-    assert meta["policy"]["adapter_digest"] == artifact.sha256_file(ad / "adapter_model.safetensors")
+    assert meta["policy"]["adapter_digest"] == artifact.sha256_json(
+        {"weights": artifact.sha256_file(ad / "adapter_model.safetensors"),
+         "scalings": {"model.layers.0.self_attn.q_proj": 2.0}})
     assert any(i["kind"] == "adapter" for i in a.inputs)
     ta, tb = (load_file(str(x.file(names.ROLLOUT_TENSORS))) for x in (a, b))
     assert not torch.equal(ta["behaviour_logprobs"], tb["behaviour_logprobs"])
+    # the same weights with another lora_alpha are another policy: not the cached rollout (the stage refuses to
+    # replace it unasked), another digest
+    (ad / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 64, "peft_type": "LORA"}))
+    with pytest.raises(QerlError, match="already holds"):
+        rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "with", adapter=ad, **kw)
+    c = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "with", adapter=ad, force=True, **kw)
+    meta_c = json.loads(c.file(names.ROLLOUT_META).read_text())
+    assert meta_c["policy"]["adapter_digest"] != meta["policy"]["adapter_digest"]
+    tc = load_file(str(c.file(names.ROLLOUT_TENSORS)))
+    assert not torch.equal(tc["behaviour_logprobs"], ta["behaviour_logprobs"])
 
 
 def _cli_fails(*args, match: str, out=None):

@@ -125,7 +125,18 @@ def test_nan_and_inf_options_are_refused():
     for t in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="temperature must be finite"):
             SamplingConfig(temperature=t)
-    from qerl_cli import config
+    # (review, session 19) a tiny temperature overflowed logits / T into NaN and crashed the sampler; a huge seed
+    # overflowed the per-batch noise seed: both are one sentence now
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy. or at least"):
+        SamplingConfig(temperature=1e-39)
+    SamplingConfig(temperature=1e-4)
+    from qerl_cli import config, evaluate, rollout
+
+    for kind, cls in (("rollout", rollout.RolloutConfig), ("evaluate", evaluate.EvaluateConfig)):
+        for seed in (-1, 2**40, 20_000_000_000_000):
+            with pytest.raises(QerlError, match=r"seed must be in \[0, "):
+                config.load(kind, cls, None, {"seed": seed})
+        config.load(kind, cls, None, {"seed": 2**40 - 1})
 
     for lr in (float("nan"), float("inf"), 0.0):
         with pytest.raises(QerlError, match="lr must be finite"):

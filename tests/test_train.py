@@ -540,6 +540,13 @@ def _tiny_shapes(packed):
     ({"sigma_stages": 2, "sigma_start": 0.02, "sigma_end": 0.01}, "single noisy stage"),
     ({"sigma_stages": 4, "sigma_start": 0.01, "sigma_end": 0.0}, "both > 0"),
     ({"temperature": 0.0}, "temperature must be > 0 for training"),
+    # (review, session 19) truncated draws would start every importance ratio below 1; AdamW's own check fired
+    # only after the model loaded, with a traceback; a negative count silently cut a file task
+    ({"top_p": 0.9}, "top_k and top_p must be off"),
+    ({"top_k": 20}, "top_k and top_p must be off"),
+    ({"adam_beta1": 1.5}, r"adam_beta1 and adam_beta2 must be in \[0, 1\)"),
+    ({"weight_decay": -0.1}, "weight_decay finite and >= 0"),
+    ({"num_problems": -7}, r"num_problems must be >= 0"),
 ])
 def test_schedules_that_cannot_be_followed_are_refused(ovr, match):
     from qerl_cli import config
@@ -586,3 +593,13 @@ def test_resume_is_exact_with_every_stateful_option_on(tiny_pipeline, tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
     oa, ob = (load_file(str(d / "step-00000004" / names.OPTIMIZER_STATE)) for d in (full.path, part))
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
+
+
+def test_too_many_new_tokens_is_refused_before_anything_is_written(tiny_pipeline, tmp_path):
+    """(review, session 19) max_new_tokens past the model's positions was refused only at the first rollout, after
+    the run directory was written, and the corrected command then met an "unfinished run": now one sentence
+    before anything is written."""
+    run = tmp_path / "run"
+    with pytest.raises(QerlError, match="more than the model's max_position_embeddings"):
+        train.train(tiny_pipeline["packed"], run, **(TINY | {"max_new_tokens": 100_000}), overrides=OVR)
+    assert not run.exists()

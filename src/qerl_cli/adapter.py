@@ -6,7 +6,8 @@ peft does (a pattern key matches a module name ``N`` when ``re.match(rf"(.*\\.)?
 matching key in the file's order wins; ``scaling = alpha / r`` per module, ``alpha / sqrt(r)`` with
 ``use_rslora``). Anything else an adapter may carry — LoRA variants such as DoRA, LoRA biases, LoRA or full
 copies of other modules (``lm_head``, ``embed_tokens``, ``modules_to_save``), trainable tokens — is refused
-with one sentence naming it, never silently dropped.
+with one sentence naming it, never silently dropped. The adapter's digest covers its weights file and the
+per-module scalings its config gives.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .artifact import sha256_file
+from .artifact import sha256_file, sha256_json
 from .engine import PROJECTIONS, LoRA
 from .errors import QerlError
 
@@ -149,5 +150,8 @@ def load_lora(path: str | Path, model) -> LoRA:
         out = {n: (a, b if scalings[n] == scaling else b * (scalings[n] / scaling)) for n, (a, b) in out.items()}
     elif scalings:
         scaling = next(iter(scalings.values()))
-    digest = sha256_file(path / ADAPTER_WEIGHTS)
+    # the policy is the factors and their scalings (lora_alpha, r, the patterns, use_rslora): both in the digest,
+    # so a changed config is a new adapter to the stages' caches and records (review, session 19)
+    digest = sha256_json({"weights": sha256_file(path / ADAPTER_WEIGHTS),
+                          "scalings": {n: scalings[n] for n in sorted(scalings)}})
     return LoRA(out, scaling, digest)

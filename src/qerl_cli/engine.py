@@ -52,6 +52,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
 
+MIN_TEMPERATURE = 1e-4  # the smallest temperature > 0 sampled (below it, logits / T overflow fp32 into NaN)
+# the largest seed + 1 a rollout or evaluation takes: its per-batch noise seeds (seed * 1,000,003 + batch) stay
+# within 64 bits
+SEED_LIMIT = 2**40
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
@@ -63,6 +69,8 @@ class SamplingConfig:
         problems = []
         if not 0 <= self.temperature < math.inf:  # (NaN fails too)
             problems.append("temperature must be finite and >= 0")
+        elif 0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow fp32 (review, session 19)
+            problems.append(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         if not 0 < self.top_p <= 1:
             problems.append("top_p must be in (0, 1]")
         if self.top_k < 0:

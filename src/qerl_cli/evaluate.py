@@ -16,7 +16,7 @@ import torch
 from rich.table import Table
 
 from . import artifact, config, names, stats, tasks, ui
-from .engine import Engine, SamplingConfig
+from .engine import SEED_LIMIT, Engine, SamplingConfig
 from .errors import QerlError
 from .modelio import fix_tokenizer
 from .rollout import eos_ids, load_policy
@@ -45,6 +45,8 @@ class EvaluateConfig:
             problems.append("k > 1 samples need temperature > 0 (greedy gives k identical answers)")
         if self.sigma < 0:
             problems.append("sigma must be >= 0")
+        if not 0 <= self.seed < SEED_LIMIT:
+            problems.append(f"seed must be in [0, {SEED_LIMIT}) (2**40)")
         if self.num_examples < 0 or self.batch_prompts < 1:
             problems.append("num_examples must be >= 0 (0 = all) and batch_prompts >= 1")
         try:

@@ -13,7 +13,7 @@ from rich.table import Table
 from safetensors.torch import save_file
 
 from . import artifact, config, modelio, names, tasks, ui
-from .engine import Engine, RolloutBatch, SamplingConfig
+from .engine import SEED_LIMIT, Engine, RolloutBatch, SamplingConfig
 from .errors import QerlError
 
 LOGPROB_DEFINITION = ("behaviour_logprobs: log-prob of each sampled token under the distribution it was sampled "
@@ -45,6 +45,8 @@ class RolloutConfig:
             problems.append("group (G) must be >= 1")
         if self.sigma < 0:
             problems.append("sigma must be >= 0")
+        if not 0 <= self.seed < SEED_LIMIT:
+            problems.append(f"seed must be in [0, {SEED_LIMIT}) (2**40)")
         if self.noise_scope not in ("batch", "group"):
             problems.append("noise_scope must be 'batch' or 'group'")
         if self.num_prompts < 0 or self.batch_prompts < 1:

@@ -170,6 +170,15 @@ class TrainConfig:
             p.append("warmup_steps and overlong_buffer must be >= 0 and min_lr_ratio in [0, 1]")
         if not self.lora_targets:
             p.append("lora_targets must name at least one projection")
+        if self.top_k != 0 or self.top_p != 1:
+            p.append("top_k and top_p must be off (0 and 1.0) for training: a truncated draw's behaviour log-probs "
+                     "come from the renormalised top-k / nucleus, while the policy trained is the whole tempered "
+                     "softmax, so every importance ratio would start below 1 and the clipped objective would "
+                     "shrink or drop the updates")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and 0 <= self.weight_decay < math.inf):
+            p.append("adam_beta1 and adam_beta2 must be in [0, 1) and weight_decay finite and >= 0")
+        if self.num_problems < 0:
+            p.append("num_problems must be >= 0 (0 = all)")
         if self.temperature == 0:
             p.append("temperature must be > 0 for training: greedy samples of a group are identical (no advantage) "
                      "and have no sampling distribution for the importance ratio")
@@ -496,6 +505,14 @@ class Trainer:
         self.stream = PromptStream(len(problems), cfg.seed)
         self.heldout = heldout_problems(cfg) if cfg.eval_every else []
         self.heldout_ids = [tasks.chat_prompt(tok, p.question) for p in self.heldout]
+        # the engine refuses a sampling call past the model's positions, but only at its first rollout, after the
+        # run's directory is written: refuse here, before anything is (review, session 19)
+        limit = getattr(pm.get_base_model().config, "max_position_embeddings", None)
+        longest = max(map(len, self.prompt_ids + self.heldout_ids), default=0)
+        if limit and longest + cfg.max_new_tokens > limit:
+            raise QerlError(f"the longest prompt ({longest} tokens) plus max_new_tokens ({cfg.max_new_tokens}) needs "
+                            f"{longest + cfg.max_new_tokens} positions, more than the model's max_position_embeddings "
+                            f"({limit}).")
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.autocast:
