@@ -137,6 +137,8 @@ def test_nan_and_inf_options_are_refused():
             with pytest.raises(QerlError, match=r"seed must be in \[0, "):
                 config.load(kind, cls, None, {"seed": seed})
         config.load(kind, cls, None, {"seed": 2**40 - 1})
+    with pytest.raises(QerlError, match="engine vllm draws AQN noise per batch only"):
+        config.load("rollout", rollout.RolloutConfig, None, {"engine": "vllm", "noise_scope": "group", "sigma": 0.01})
 
     for lr in (float("nan"), float("inf"), 0.0):
         with pytest.raises(QerlError, match="lr must be finite"):

@@ -53,6 +53,8 @@ class RolloutConfig:
             problems.append("num_prompts must be >= 0 (0 = all) and batch_prompts >= 1")
         if self.engine not in ("ours", "hf", "vllm"):
             problems.append("engine must be 'ours', 'hf' or 'vllm'")
+        if self.engine == "vllm" and self.noise_scope == "group" and self.sigma > 0:  # (review, session 19)
+            problems.append("--engine vllm draws AQN noise per batch only: use noise_scope 'batch' with it")
         try:
             self.sampling()
         except ValueError as e:
