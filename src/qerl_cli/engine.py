@@ -58,6 +58,16 @@ MIN_TEMPERATURE = 1e-4  # the smallest temperature > 0 sampled (below it, logits
 SEED_LIMIT = 2**40
 
 
+def check_positions(model_config, longest_prompt: int, max_new_tokens: int) -> None:
+    """One sentence (QerlError) where the longest prompt plus the new tokens need more positions than the model
+    has (``max_position_embeddings``, where its config gives one)."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit and longest_prompt + max_new_tokens > limit:
+        raise QerlError(f"the longest prompt ({longest_prompt} tokens) plus max_new_tokens ({max_new_tokens}) needs "
+                        f"{longest_prompt + max_new_tokens} positions, more than the model's max_position_embeddings "
+                        f"({limit}).")
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
@@ -1009,10 +1019,7 @@ class Engine:
         b, g, t_new = len(prompts), group, sampling.max_new_tokens
         r = b * g
         p_len = max(len(p) for p in prompts)
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit and p_len + t_new > limit:
-            raise QerlError(f"the longest prompt ({p_len} tokens) plus max_new_tokens ({t_new}) needs {p_len + t_new} "
-                            f"positions, more than the model's max_position_embeddings ({limit}).")
+        check_positions(self.model.config, p_len, t_new)
         slots = p_len + t_new
         ids = torch.full((b, p_len), pad_id, dtype=torch.long)
         pmask = torch.zeros(b, p_len, dtype=torch.bool)

@@ -55,7 +55,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import artifact, config, grpo, lora, modelio, names, rollout, stats, tasks, ui
-from .engine import Engine, SamplingConfig
+from .engine import Engine, SamplingConfig, check_positions
 from .errors import QerlError
 
 NONDETERMINISTIC_METRICS = ("time_", "tokens_per_s", "peak_")
@@ -507,12 +507,8 @@ class Trainer:
         self.heldout_ids = [tasks.chat_prompt(tok, p.question) for p in self.heldout]
         # the engine refuses a sampling call past the model's positions, but only at its first rollout, after the
         # run's directory is written: refuse here, before anything is (review, session 19)
-        limit = getattr(pm.get_base_model().config, "max_position_embeddings", None)
-        longest = max(map(len, self.prompt_ids + self.heldout_ids), default=0)
-        if limit and longest + cfg.max_new_tokens > limit:
-            raise QerlError(f"the longest prompt ({longest} tokens) plus max_new_tokens ({cfg.max_new_tokens}) needs "
-                            f"{longest + cfg.max_new_tokens} positions, more than the model's max_position_embeddings "
-                            f"({limit}).")
+        check_positions(pm.get_base_model().config, max(map(len, self.prompt_ids + self.heldout_ids), default=0),
+                        cfg.max_new_tokens)
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.autocast:
