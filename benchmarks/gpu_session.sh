@@ -99,6 +99,9 @@
 #   42                             session 19 (commit 0d9c6d9 only): build, the cluster / PDL / decode-attention /
 #                                  L2-prefetch GPU tests, the L2-prefetch probe, the 7B-shape rollouts with the
 #                                  gate/up weight's L2 prefetch (settings: L2PF, default "0 24 40 24@start")
+#   43 [MS]                        session 20: the timeline probe build (sm_90a only), benchmarks/probe_timeline.py:
+#                                  per-CTA timestamps of the small-M kernels in chains of one shape at MS (default
+#                                  1,8,16; M = 8 again without PDL) and in a 7B-shape decode step at batch 8
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -143,7 +146,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 42 (see above)}"
+PART="${1:?part 1 to 43 (see above)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -541,6 +544,16 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # and the gate/up weight's L2 prefetch (probe and rollouts), measured slower; the prefetch code was removed
   # after commit 0d9c6d9, which still runs this part
   stamp 42 "the L2-prefetch code is in commit 0d9c6d9 only: check it out to run this part"; exit 2
+  ;;
+43)
+  # session 20: where a small-M launch spends its time (benchmarks/probe_timeline.py: per-CTA %globaltimer stamps in
+  # the probe build of the kernel), in chains of one shape and in a 7B-shape decode step; sm_90a code only
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  QERL_KERNEL_TIMELINE=1 build; stamp 43 "probe build done"
+  timeout $(( 560 - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
+    --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
+  stamp 43 "timeline probe done"
   ;;
 8)
   build; stamp 8 "kernels built"

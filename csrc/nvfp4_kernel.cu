@@ -93,6 +93,58 @@ __device__ __forceinline__ __nv_bfloat16 out_value(float v, const __nv_bfloat16*
   return bias ? __float2bfloat16_rn(__bfloat162float(y) + __bfloat162float(bias[n])) : y;
 }
 
+// Timeline probe builds only (-DQERL_TIMELINE; benchmarks/probe_timeline.py builds the extension as qerl_nvfp4_tl):
+// thread 0 of every CTA of the small-M mma kernels stamps %globaltimer at entry, when its PDL wait returns, when
+// its K loop ends and when it leaves, and appends one 64-byte record to a device buffer (set_timeline). Normal
+// builds compile all of it to nothing.
+#ifdef QERL_TIMELINE
+struct TlRecord {
+  unsigned long long tag;   // (N << 32) | K
+  unsigned long long qw;    // the packed weight's address (tells launches of a rotated chain apart)
+  unsigned long long t_entry, t_wait, t_loop, t_exit;
+  unsigned int block, grid, smid, flags;
+};
+static_assert(sizeof(TlRecord) == 64, "timeline record layout");
+__device__ TlRecord* g_tl_buf = nullptr;
+__device__ unsigned int g_tl_cap = 0;
+__device__ unsigned int g_tl_count = 0;
+__device__ __forceinline__ unsigned long long tl_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void tl_record(int N, int K, const void* qw, unsigned long long t0, unsigned long long tw,
+                                          unsigned long long tl, unsigned int flags) {
+  if (threadIdx.x != 0 || g_tl_buf == nullptr) return;
+  const unsigned long long te = tl_now();
+  const unsigned int slot = atomicAdd(&g_tl_count, 1u);
+  if (slot >= g_tl_cap) return;
+  unsigned int smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  TlRecord r;
+  r.tag = ((unsigned long long)N << 32) | (unsigned int)K;
+  r.qw = (unsigned long long)qw;
+  r.t_entry = t0;
+  r.t_wait = tw;
+  r.t_loop = tl;
+  r.t_exit = te;
+  r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  r.grid = gridDim.x * gridDim.y * gridDim.z;
+  r.smid = smid;
+  r.flags = flags;
+  g_tl_buf[slot] = r;
+}
+#define QERL_TL_BEGIN unsigned long long tl_t0 = tl_now(), tl_tw = 0, tl_tl = 0;
+#define QERL_TL_WAITED tl_tw = tl_now();
+#define QERL_TL_LOOPED tl_tl = tl_now();
+#define QERL_TL_END(flags) tl_record(N, K, qw, tl_t0, tl_tw, tl_tl, (flags));
+#else
+#define QERL_TL_BEGIN
+#define QERL_TL_WAITED
+#define QERL_TL_LOOPED
+#define QERL_TL_END(flags)
+#endif
+
 // PDL prologue of the small-M kernels: L2 prefetch of a warp's first tiles of one row block (contiguous
 // records), issued by lane 0 before qerl_pdl::wait()
 constexpr int kPrefetchTiles = 16;
@@ -345,6 +397,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split, int cl,
     LoraAug la) {
+  QERL_TL_BEGIN
   qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
@@ -394,6 +447,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     }
   }
   qerl_pdl::wait();
+  QERL_TL_WAITED
 
   const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
   // the zero row (index mslice) of both buffers; cp.async only ever writes rows < mslice
@@ -493,6 +547,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     }
     __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
   }
+  QERL_TL_LOOPED
   // the LoRA term (if any), in the last split
   if constexpr (TG <= kLoraAugMaxTG) {
     if (la.h != nullptr && split == S - 1)
@@ -527,11 +582,15 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
       }
     }
   }
-  if (S == 1) return;
+  if (S == 1) {
+    QERL_TL_END(0u)
+    return;
+  }
   if (cl) {
     // split-K inside a thread-block cluster of the S splits: every CTA sums 1/S of the outputs, reading the
     // S partials from the CTAs' shared memory in split order (the same order and result as the workspace path)
     cluster_reduce<ROWS>(reinterpret_cast<const float*>(xs), out, bias, alpha, tok0, mslice, N, rg * ROWS, split, S);
+    QERL_TL_END(1u)
     return;
   }
 
@@ -543,7 +602,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     s_last = (prev == S - 1);
   }
   __syncthreads();
-  if (!s_last) return;
+  if (!s_last) {
+    QERL_TL_END(2u)
+    return;
+  }
   __threadfence();
   const int n0 = rg * ROWS;
   const int nrows = min(ROWS, N - n0);
@@ -563,6 +625,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     out[o] = out_value(sum * alpha, bias, n0 + nn);
   }
   if (tid == 0) counters[rg * gridDim.x + slice] = 0;  // ready for the next launch on this stream
+  QERL_TL_END(3u)
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -618,6 +681,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup, LoraAug la) {
+  QERL_TL_BEGIN
+#ifdef QERL_TIMELINE
+  unsigned int tl_fixups = 0;
+#endif
   qerl_pdl::trigger();
   constexpr int MP = 8 * TG;           // token rows staged (M <= MP: one slice)
   constexpr int LDX = KCH * 64 + 8;    // smem row stride (elements)
@@ -696,7 +763,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     });
     // PDL: the first segment's first tiles are loaded while the kernel before us finishes (no kernel that
     // triggers early writes a packed weight: pdl.cuh); everything below reads activations or writes
-    if (first_seg) qerl_pdl::wait();
+    if (first_seg) {
+      qerl_pdl::wait();
+      QERL_TL_WAITED
+    }
 
     auto stage = [&](int c) {
       const int kb = (kt0 + c * KCH) * 64;
@@ -784,6 +854,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       }
       __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
     }
+    QERL_TL_LOOPED
     // the LoRA term (if any), in the segment that ends the row group's K range (one CTA's)
     if constexpr (TG <= kLoraAugMaxTG) {
       if (la.h != nullptr && kt1 == KT)
@@ -846,9 +917,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
         out[(size_t)m * N + n0 + nn] = out_value(sum * alpha, bias, n0 + nn);
       });
       if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
+#ifdef QERL_TIMELINE
+      tl_fixups += 1u;
+#endif
     }
     __syncthreads();  // s_last is rewritten by the next segment
   }
+  QERL_TL_END(16u + tl_fixups)  // 16 + the row groups this CTA summed (v2)
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1450,6 +1525,26 @@ void set_variant(int64_t v) {
 int64_t get_variant() { return g_variant; }
 int64_t get_large_m_threshold() { return g_large_m_threshold; }
 
+#ifdef QERL_TIMELINE
+// the timeline buffer (uint8 CUDA tensor, a multiple of 64 bytes; empty: off) on the current device; resets the count
+void set_timeline(const at::Tensor& buf) {
+  QERL_CHECK(buf.numel() == 0 || (buf.is_cuda() && buf.scalar_type() == at::kByte && buf.is_contiguous() &&
+                                  buf.numel() % 64 == 0),
+             "qerl: the timeline buffer must be a contiguous uint8 CUDA tensor of a multiple of 64 bytes");
+  TlRecord* p = buf.numel() ? reinterpret_cast<TlRecord*>(buf.data_ptr()) : nullptr;
+  const unsigned int cap = (unsigned int)(buf.numel() / 64), zero = 0;
+  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_tl_buf, &p, sizeof(p)));
+  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_tl_cap, &cap, sizeof(cap)));
+  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_tl_count, &zero, sizeof(zero)));
+}
+// records appended since set_timeline (may exceed the capacity: the rest were dropped)
+int64_t timeline_count() {
+  unsigned int n = 0;
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_tl_count, sizeof(n)));
+  return (int64_t)n;
+}
+#endif
+
 }  // namespace qerl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1487,5 +1582,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_fixup", &qerl::set_fixup,
         "stream-K fixup of the v2 kernel: 0 auto (per M), 1 batched (4 elements x 8 slots in flight), 2 serial");
   m.def("get_fixup", [] { return (int64_t)qerl::g_fixup; });
+#ifdef QERL_TIMELINE
+  m.def("set_timeline", &qerl::set_timeline, "per-CTA timestamps of the small-M kernels into a uint8 buffer (probe builds)");
+  m.def("timeline_count", &qerl::timeline_count, "records appended since set_timeline");
+#endif
 }
 #endif

@@ -96,9 +96,10 @@ def _source(filename: str = "nvfp4_kernel.cu") -> Path | None:
     return None
 
 
-def build_extension(name: str, filename: str):
+def build_extension(name: str, filename: str, timeline: bool = False):
     """JIT-build (cached) and load the torch extension ``name`` from ``csrc/<filename>`` for this machine's
-    arch flags; raises with the reason when CUDA, the source or the build is missing."""
+    arch flags; raises with the reason when CUDA, the source or the build is missing. ``timeline``: the probe
+    build (``name`` + ``_tl``, ``-DQERL_TIMELINE``: per-CTA timestamps, benchmarks/probe_timeline.py)."""
     if os.environ.get("QERL_DISABLE_KERNEL"):
         raise RuntimeError("QERL_DISABLE_KERNEL is set")
     if not torch.cuda.is_available():
@@ -113,8 +114,10 @@ def build_extension(name: str, filename: str):
     # torch's build cache hashes the listed source only: the headers it includes (csrc/*.cuh) enter the key
     # through a define, so editing one rebuilds
     headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(src.parent.glob("*.cuh")))).hexdigest()[:16]
-    return load(name=name, sources=[str(src)],
-                extra_cuda_cflags=["-O3", "-lineinfo", f"-DQERL_HEADERS_SHA={headers}", *arch_flags],
+    # --threads 0: nvcc compiles the arch targets side by side (one process each; four by default)
+    return load(name=name + ("_tl" if timeline else ""), sources=[str(src)],
+                extra_cuda_cflags=["-O3", "-lineinfo", "--threads=0", f"-DQERL_HEADERS_SHA={headers}", *arch_flags,
+                                   *(["-DQERL_TIMELINE"] if timeline else [])],
                 extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
 
 
@@ -139,7 +142,9 @@ def _load():
         if _ext_tried:
             return _ext
         try:
-            _ext = build_extension("qerl_nvfp4", "nvfp4_kernel.cu")
+            # QERL_KERNEL_TIMELINE=1: the timeline probe build (benchmarks/probe_timeline.py)
+            _ext = build_extension("qerl_nvfp4", "nvfp4_kernel.cu",
+                                   timeline=os.environ.get("QERL_KERNEL_TIMELINE") == "1")
         except Exception as e:  # noqa: BLE001 - any build/load failure means: use the reference
             _ext_error = error_line(e)
             _ext = None

@@ -1,0 +1,259 @@
+"""Where a small-M NVFP4 launch spends its time: per-CTA timestamps of the mma kernels, in a chain and in a decode step.
+
+    QERL_KERNEL_TIMELINE=1 is set by this script: it builds the probe extension (qerl_nvfp4_tl, -DQERL_TIMELINE),
+    in which thread 0 of every CTA of the small-M kernels stamps %globaltimer at entry, when its PDL wait returns,
+    when its K loop ends and when it leaves (after its split-K share), one 64-byte record per CTA.
+
+    python benchmarks/probe_timeline.py [--json benchmarks/results/timeline.json] [--ms 1,8] [--skip-engine]
+
+(a) Chains: for each Qwen2.5-7B projection shape and M, a CUDA graph of CALLS back-to-back ``kernel.linear``
+    launches, each on its own weight copy (as bench_kernel.py times them); per launch, relative to the end of the
+    launch before (its last CTA's exit): when its first CTA started, when its first / median PDL wait returned,
+    when its CTAs finished their K loops (first, median, last) and when its last CTA left.
+(b) A decode step of the 7B-shape NVFP4 engine at batch 8 (CUDA graph, random weights): the same per projection
+    launch of every layer, where the time between a projection's wait and the end of the projection before it is
+    what the kernels between them (norms, rotary, attention, SiLU·mul) and their launches took.
+Times are medians over launches, in µs. The timer's granularity (smallest step seen) is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ["QERL_KERNEL_TIMELINE"] = "1"  # before qerl_cli.kernel loads its extension
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from qerl_cli import kernel  # noqa: E402
+
+REC = np.dtype([("tag", "<u8"), ("qw", "<u8"), ("t_entry", "<u8"), ("t_wait", "<u8"), ("t_loop", "<u8"),
+                ("t_exit", "<u8"), ("block", "<u4"), ("grid", "<u4"), ("smid", "<u4"), ("flags", "<u4")])
+SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+NAME_OF = {(n << 32) | k: name for name, (n, k) in SHAPES_7B.items()}
+
+
+def name_of(tag: int) -> str:
+    return NAME_OF.get(tag, f"{tag >> 32}x{tag & 0xFFFFFFFF}")
+
+
+class Timeline:
+    def __init__(self, ext, records: int = 1 << 20):
+        self.ext = ext
+        self.buf = torch.zeros(records * 64, dtype=torch.uint8, device="cuda")
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        self.ext.set_timeline(self.buf)
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.n = self.ext.timeline_count()
+        self.ext.set_timeline(torch.empty(0, dtype=torch.uint8, device="cuda"))
+        cap = self.buf.numel() // 64
+        if self.n > cap:
+            print(f"probe_timeline: {self.n - cap} records dropped (buffer of {cap})", file=sys.stderr)
+        self.recs = np.frombuffer(self.buf[: min(self.n, cap) * 64].cpu().numpy().tobytes(), dtype=REC)
+        return False
+
+
+def launches(recs: np.ndarray) -> list[dict]:
+    """Records grouped into launches by (shape, weight address), split where one address recurs (a later step),
+    ordered by their first CTA's start; times in ns."""
+    out = []
+    keys = np.unique(recs[["tag", "qw"]])
+    for key in keys:
+        r = recs[(recs["tag"] == key["tag"]) & (recs["qw"] == key["qw"])]
+        r = r[np.argsort(r["t_entry"])]
+        grid = int(r["grid"][0])
+        for i in range(0, len(r) - grid + 1, grid):  # each launch has `grid` CTAs; entries of one launch come first
+            g = r[i:i + grid]
+            waits = np.sort(g["t_wait"][g["t_wait"] > 0])
+            loops = np.sort(g["t_loop"][g["t_loop"] > 0])
+            out.append({"tag": int(key["tag"]), "qw": int(key["qw"]), "grid": grid, "first_entry": int(g["t_entry"].min()),
+                        "last_entry": int(g["t_entry"].max()),
+                        "first_wait": int(waits[0]) if len(waits) else 0,
+                        "median_wait": int(np.median(waits)) if len(waits) else 0,
+                        "first_loop": int(loops[0]) if len(loops) else 0,
+                        "median_loop": int(np.median(loops)) if len(loops) else 0,
+                        "last_loop": int(loops[-1]) if len(loops) else 0,
+                        "last_exit": int(g["t_exit"].max()), "sms": int(len(np.unique(g["smid"]))),
+                        "flags": sorted({int(f) for f in g["flags"]})})
+    return sorted(out, key=lambda d: d["first_entry"])
+
+
+def phases(seq: list[dict]) -> list[dict]:
+    """Each launch after the first, relative to the previous launch's last exit (µs)."""
+    rows = []
+    for prev, cur in zip(seq, seq[1:]):
+        e = prev["last_exit"]
+        rows.append({"tag": cur["tag"], "grid": cur["grid"], "sms": cur["sms"], "flags": cur["flags"],
+                     "start": (cur["first_entry"] - e) / 1e3, "all_started": (cur["last_entry"] - e) / 1e3,
+                     "wait": (cur["first_wait"] - e) / 1e3, "median_wait": (cur["median_wait"] - e) / 1e3,
+                     "first_loop": (cur["first_loop"] - e) / 1e3, "median_loop": (cur["median_loop"] - e) / 1e3,
+                     "last_loop": (cur["last_loop"] - e) / 1e3, "exit": (cur["last_exit"] - e) / 1e3})
+    return rows
+
+
+COLS = ["start", "all_started", "wait", "median_wait", "first_loop", "median_loop", "last_loop", "exit"]
+
+
+def summary(rows: list[dict]) -> dict:
+    return {c: statistics.median(r[c] for r in rows) for c in COLS} | {
+        "grid": rows[0]["grid"], "sms": statistics.median(r["sms"] for r in rows), "n": len(rows),
+        "flags": sorted({f for r in rows for f in r["flags"]})}
+
+
+def granularity(recs: np.ndarray) -> float:
+    t = np.unique(np.concatenate([recs["t_entry"], recs["t_exit"]]))
+    d = np.diff(t)
+    return float(d[d > 0].min()) if len(d) and (d > 0).any() else float("nan")
+
+
+def print_row(label: str, s: dict) -> None:
+    print(f"{label:<22} grid {s['grid']:>4} sms {s['sms']:>5.0f} | " + " ".join(f"{s[c]:7.2f}" for c in COLS)
+          + f" | flags {s['flags']}", flush=True)
+
+
+def header() -> None:
+    print(f"{'':<22} {'':>9} {'':>9} | " + " ".join(f"{c[:7]:>7}" for c in COLS), flush=True)
+
+
+def chains(ext, ms: list[int], calls: int, result: dict, key: str = "chains") -> None:
+    from bench_kernel import random_packed
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("(a) chains of back-to-back launches, µs after the previous launch's last exit (median over launches)")
+    header()
+    for name, (n, k) in SHAPES_7B.items():
+        qws = [random_packed(n, k, gen) for _ in range(calls)]
+        gs = torch.tensor([2000.0], device="cuda")
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(calls)]
+
+            def fn(i):
+                ext.linear_out(x, qws[i], gs, n, k, outs[i], -1)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(2):
+                    fn(i)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(calls):
+                    fn(i)
+            g.replay()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            per_call = e0.elapsed_time(e1) * 1e3 / calls
+            with Timeline(ext) as tl:
+                g.replay()
+            seq = launches(tl.recs)
+            rows = phases(seq)
+            s = summary(rows) | {"shape": name, "m": m, "graph_us_per_call_untimed": per_call,
+                                 "timer_step_ns": granularity(tl.recs), "variant": int(ext.auto_variant(m, n, k))}
+            result.setdefault(key, []).append(s)
+            print_row(f"{name} M={m} ({per_call:.1f}/call)", s)
+            del g
+        qws.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"timer step seen: {min(c['timer_step_ns'] for c in result[key]):.0f} ns")
+
+
+def engine_step(ext, batch: int, result: dict) -> None:
+    from bench_rollout import prompts, qwen7b_config, random_model
+
+    from qerl_cli.engine import Engine, SamplingConfig
+    from qerl_cli.packed_model import pack_model_inplace
+
+    model = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = Engine(model, "cuda", cuda_graph=True)
+    ps = prompts(batch, 256, 152064)
+    eng.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=8), 0, set(), 0)
+    torch.cuda.synchronize()
+    with Timeline(ext) as tl:
+        b = eng.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 1, set(), 0)
+    seq = launches(tl.recs)
+    # the decode steps: every packed weight once per step; keep the last full step
+    per_step = len({(d["tag"], d["qw"]) for d in seq})
+    steps = len(seq) // per_step
+    step = seq[(steps - 1) * per_step: steps * per_step]
+    rows = phases(step)
+    print(f"(b) decode step of the 7B-shape engine at batch {batch} ({steps} steps recorded, last one shown; "
+          f"graph step {1e3 * b.timings['decode_s'] / max(1, b.timings['decode_steps']):.2f} ms): "
+          f"µs after the previous projection's last exit")
+    header()
+    out = {"batch": batch, "steps_recorded": steps, "timer_step_ns": granularity(tl.recs),
+           "step_span_us": (step[-1]["last_exit"] - step[0]["first_entry"]) / 1e3}
+    for name in dict.fromkeys(name_of(r["tag"]) for r in rows):
+        rs = [r for r in rows if name_of(r["tag"]) == name]
+        if rs:
+            s = summary(rs)
+            out[name] = s
+            print_row(f"{name} (x{len(rs)})", s)
+    proj = sum(r["exit"] - r["wait"] for r in rows) + (step[0]["last_exit"] - step[0]["first_wait"]) / 1e3
+    between = sum(r["wait"] for r in rows)
+    out["projections_wait_to_exit_us"] = proj
+    out["between_projections_us"] = between
+    print(f"step span (first qkv start to last down exit) {out['step_span_us']:.0f} µs: projections (wait -> last "
+          f"exit) {proj:.0f} µs, between projections (previous exit -> wait) {between:.0f} µs", flush=True)
+    result["engine_step"] = out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "timeline.json")
+    ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--calls", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--no-pdl-ms", default="8", help="the chains again at these M with PDL off ('' for none)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_timeline: needs a CUDA device", file=sys.stderr)
+        return 2
+    ext = kernel._load()
+    if ext is None or not hasattr(ext, "set_timeline"):
+        print(f"probe_timeline: the timeline build is unavailable: {kernel.build_error()}", file=sys.stderr)
+        return 2
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "pdl": bool(ext.get_pdl())}
+    try:
+        chains(ext, [int(v) for v in args.ms.split(",")], args.calls, result)
+        if args.no_pdl_ms:
+            ext.set_pdl(False)
+            try:
+                print("PDL off:")
+                chains(ext, [int(v) for v in args.no_pdl_ms.split(",")], args.calls, result, "chains_no_pdl")
+            finally:
+                ext.set_pdl(True)
+        if not args.skip_engine:
+            engine_step(ext, args.batch, result)
+    finally:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
