@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import SHARED_DATA, random_adapter, run_cli
-from qerl_cli import artifact, names, rollout, tasks
+from qerl_cli import artifact, names, packed_model, rollout, tasks
+from qerl_cli.engine import Engine
 from qerl_cli.errors import QerlError
 
 
@@ -295,6 +296,18 @@ def test_hf_engine_samples_the_declared_policy(pipeline, tmp_path, scope):
     assert (t["behaviour_logprobs"][m] > t["tempered_logprobs"][m] + 1e-3).any()
     meta = json.loads(art.file(names.ROLLOUT_META).read_text())
     assert meta["noise"][0]["sigma"] == 0.05 and meta["policy"]["adapter_digest"] and not meta["policy"]["cuda_graph"]
+    assert meta["noise"][0]["dtype"] == "float32"  # (the CPU model's norm weights, where the draw ran)
+
+
+def test_hf_noise_record_names_the_dtype_the_draw_ran_in(pipeline):
+    """--engine hf adds the draw to the HF model's norm weights: on a bf16 model (the GPU default) the record says
+    bfloat16, not the engine's fp32 scales (review, session 19)."""
+    m = packed_model.load_packed_model(artifact.open_artifact(pipeline / "packed", names.KIND_PACKED),
+                                       dtype=torch.bfloat16)
+    ns = Engine(m).set_noise(0.01, 0, "batch", 1, 1)
+    assert ns.dtype == "float32"
+    assert rollout.noise_record(ns, "hf", m)["dtype"] == "bfloat16"
+    assert rollout.noise_record(ns, "ours", m)["dtype"] == "float32"
 
 
 def test_hf_engine_greedy_records_zero(pipeline, tmp_path):

@@ -205,7 +205,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         for bi, s in enumerate(ui.track(starts, "sampling", enabled=cfg.progress)):
             chunk = prompt_ids[s: s + cfg.batch_prompts]
             ns = eng.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi, cfg.noise_scope, len(chunk), cfg.group)
-            noise_states.append(ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]})
+            noise_states.append(noise_record(ns, cfg.engine, model) | {"batch": bi, "prompts": [s, s + len(chunk)]})
             if vllm_engine is not None:
                 ns = vllm_engine.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi)
                 noise_states[-1] = ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]}
@@ -245,6 +245,16 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
                              force=force)
     _print(json.loads(art.file(names.ROLLOUT_META).read_text())["summary"], art.path)
     return art
+
+
+def noise_record(ns, engine: str, model) -> dict:
+    """The noise state a rollout records for a batch: the engine's draw, with the dtype its noisy scales had where
+    they ran. ``--engine hf`` writes the draw into the HF model's own norm weights (:func:`hf_policy`), so there it
+    is the model's dtype (bf16 on GPU: the draw rounded), not the engine's fp32."""
+    d = ns.as_dict()
+    if engine == "hf":
+        d["dtype"] = str(model.model.layers[0].input_layernorm.weight.dtype).removeprefix("torch.")
+    return d
 
 
 @contextlib.contextmanager
