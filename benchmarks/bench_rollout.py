@@ -83,8 +83,10 @@ def random_lora(model, rank: int) -> LoRA:
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
-                decode_attn=None, **engine_kw) -> dict:
+                decode_attn=None, silu_in_kernel=None, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    if silu_in_kernel is not None:  # (None: the engine's default)
+        eng.silu_in_kernel = silu_in_kernel
     if decode_attn is not None:  # (None: the engine's default)
         eng.decode_attn = decode_attn
     if sigma:  # an AQN draw (fp32 noisy norm scales), per batch or per prompt (each prompt its own group of 1)
@@ -231,6 +233,9 @@ def main() -> None:
     ap.add_argument("--decode-attn-lora", action="store_true",
                     help="7B shapes (NVFP4), batch 8, rank-32 adapter: decode attention in our kernel against SDPA "
                          "with PDL on and off, interleaved twice, then per-kernel profiles of both without PDL")
+    ap.add_argument("--silu-in-kernel", action="store_true",
+                    help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: silu(gate) * up written by the gate/up kernel "
+                         "(the default) against the SiLU·mul kernel after it, interleaved three times")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -274,6 +279,8 @@ def main() -> None:
         sampler_part(result, rows, save)
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
+    elif args.silu_in_kernel:
+        silu_part(rows, save)
     elif args.decode_attn:
         attn_part(rows, save)
     elif args.decode_attn_lora:
@@ -461,6 +468,19 @@ def attn_part(rows, save) -> None:
                 finally:
                     fused._load().set_attn_late_trigger(False)
                 save()
+
+
+def silu_part(rows, save) -> None:
+    """SiLU·mul in the gate/up kernel (Engine.silu_in_kernel, kernel.linear_silu: session 20) against the separate
+    kernel, interleaved three times: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens, no adapter."""
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    for _ in range(3):
+        for on in (True, False):
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " silu-kernel"),
+                         "batch": 8, **time_engine(big, 8, 256, 512, 152064, silu_in_kernel=on)})
+            save()
 
 
 def attn_lora_part(result, rows, save) -> None:

@@ -676,11 +676,41 @@ __device__ __forceinline__ int64_t sk_begin(int64_t b, int64_t W, int64_t P) { r
 // the CTA whose range holds unit u
 __device__ __forceinline__ int sk_owner(int64_t u, int64_t W, int64_t P) { return (int)(((u + 1) * P - 1) / W); }
 
-template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
+// Pair mode of the stream-K kernel (linear_silu_out: a fused gate/up weight, gate rows [0, N/2), up rows [N/2, N)):
+// logical 16-row block 2j is gate block j and 2j + 1 is up block j, so every row group holds both halves of its
+// outputs and writes silu(gate) * up, [M, N/2], instead of the [M, N] product.
+__device__ __forceinline__ int pair_block(int rb, int NT, int pair) {
+  return pair ? ((rb & 1) ? (NT >> 1) + (rb >> 1) : (rb >> 1)) : rb;
+}
+
+// silu_mul of qerl_fused (csrc/fused_ops.cu), bit for bit: bf16(float(bf16(silu(float(g)))) * float(u))
+__device__ __forceinline__ __nv_bfloat16 silu_mul1(__nv_bfloat16 g, __nv_bfloat16 u) {
+  const float x = __bfloat162float(g);
+  return __float2bfloat16_rn(__bfloat162float(__float2bfloat16_rn(x / (1.0f + expf(-x)))) * __bfloat162float(u));
+}
+
+// a row group's fp32 sums sums[m * ROWS + nl] (logical rows, nrows of them valid) -> out[m, col0 + q] =
+// silu_mul(bf16(gate * alpha), bf16(up * alpha)), q over the group's ROWS / 2 output columns (out row stride ldo)
+template <int THREADS, int ROWS>
+__device__ __forceinline__ void pair_epilogue(const float* sums, __nv_bfloat16* __restrict__ out, float alpha,
+                                              int mslice, int nrows, int ldo, int col0) {
+  constexpr int HALF = ROWS / 2;
+  for (int p = (int)threadIdx.x; p < mslice * HALF; p += THREADS) {
+    const int m = p / HALF, q = p % HALF;
+    const int ng = (q >> 4) * 32 + (q & 15);  // the gate row of output column q; its up row is ng + 16
+    if (ng + 16 >= nrows) continue;
+    const __nv_bfloat16 gv = __float2bfloat16_rn(sums[m * ROWS + ng] * alpha);
+    const __nv_bfloat16 uv = __float2bfloat16_rn(sums[m * ROWS + ng + 16] * alpha);
+    out[(size_t)m * ldo + col0 + q] = silu_mul1(gv, uv);
+  }
+}
+
+template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR = false>
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup, LoraAug la) {
+  constexpr int pair = PAIR ? 1 : 0;
   QERL_TL_BEGIN
 #ifdef QERL_TIMELINE
   unsigned int tl_fixups = 0;
@@ -708,7 +738,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int rbr = (rg0 * NW + warp) * R + r;
-      if (rbr < NT) prefetch_tiles(qw + ((size_t)rbr * KT + kta) * kRecordBytes, ktb - kta, lane);
+      if (rbr < NT) prefetch_tiles(qw + ((size_t)pair_block(rbr, NT, pair) * KT + kta) * kRecordBytes, ktb - kta, lane);
     }
   }
   // the LoRA term's bs slices of the row groups whose K range ends in this CTA's range (they add the term)
@@ -725,6 +755,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
   // (the wait comes after the first segment's register loads of the weight, in the loop below)
 
   const uint32_t xs_base = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+  // pair mode: a row group's [mslice, ROWS] fp32 sums, in the staging buffers (free after a segment's K loop):
+  // row m of the sums lies inside staging row m of buffer 0, so the zero row (index mslice) stays zero
+  static_assert(2 * ROWS <= LDX, "pair sums do not fit the staging rows");
+  float* const pbuf = reinterpret_cast<float*>(xs);
   if (mslice < MP) {
     for (int i = tid; i < 2 * (LDX / 8); i += NW * 32)
       *reinterpret_cast<uint4*>(xs + (i / (LDX / 8)) * CHUNK + mslice * LDX + (i % (LDX / 8)) * 8) =
@@ -750,7 +784,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       rb[r] = (rg * NW + warp) * R + r;
-      const uint8_t* rec = qw + ((size_t)min(rb[r], NT - 1) * KT + kt0) * kRecordBytes;
+      const uint8_t* rec = qw + ((size_t)pair_block(min(rb[r], NT - 1), NT, pair) * KT + kt0) * kRecordBytes;
       pc[r] = rec + 16 * lane;
       ps[r] = rec + kCodeBytes + 8 * g;
     }
@@ -882,7 +916,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
           const int n = rg * ROWS + nl;
           const int m = q * 8 + 2 * t + (i & 1);
           if (rowblock_ok && n < N && m < mslice) {
-            if (whole)
+            if (whole && pair)
+              pbuf[m * ROWS + nl] = v[i];
+            else if (whole)
               out[(size_t)m * N + n] = out_value(v[i] * alpha, bias, n);
             else
               wsb[(size_t)m * ROWS + nl] = v[i];
@@ -890,7 +926,14 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
         }
       }
     }
-    if (whole) continue;
+    if (whole) {
+      if (pair) {
+        __syncthreads();
+        pair_epilogue<NW * 32, ROWS>(pbuf, out, alpha, mslice, min(ROWS, N - rg * ROWS), N / 2, rg * (ROWS / 2));
+        __syncthreads();  // pbuf (the staging buffers) is refilled by the next segment
+      }
+      continue;
+    }
 
     // a row group cut between CTAs: the last of its CTAs adds the partials in CTA order
     __threadfence();
@@ -913,9 +956,17 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
                                 [&](int j) {
         return (j == 0 ? first_slot : (size_t)(2 * (bfirst + j))) * slot_stride;
       }, [&](int i, float sum) {
+        if (pair) {
+          pbuf[i] = sum;
+          return;
+        }
         const int m = i / ROWS, nn = i % ROWS;
         out[(size_t)m * N + n0 + nn] = out_value(sum * alpha, bias, n0 + nn);
       });
+      if (pair) {
+        __syncthreads();
+        pair_epilogue<NW * 32, ROWS>(pbuf, out, alpha, mslice, nrows, N / 2, rg * (ROWS / 2));
+      }
       if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
 #ifdef QERL_TIMELINE
       tl_fixups += 1u;
@@ -1031,6 +1082,14 @@ QERL_MMA_CONFIGS(QERL_INSTANCE)
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
       int, int, int, int, int, int, LoraAug);
 QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
+#define QERL_V2_PAIR_INSTANCE(TG, R, D, KCH, NACC, MINB, NW)                                                 \
+  template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW, true>(                         \
+      const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
+      int, int, int, int, int, int, LoraAug);
+QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 8)
+QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 8)
+QERL_V2_PAIR_INSTANCE(4, 1, 4, 8, 1, 2, 8)
+QERL_V2_PAIR_INSTANCE(8, 1, 2, 4, 1, 2, 8)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
 template __global__ void nvfp4_dequant_kernel<float>(const uint8_t*, const float*, float*, int, int, int, int);
@@ -1318,8 +1377,8 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   g_last_split = S * (cl ? -1 : 1);
 }
 
-// opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG
-template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW>
+// opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG; PAIR: linear_silu_out's pair mode
+template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR = false>
 static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs,
                           const __nv_bfloat16* bias, at::Tensor& out, int M, int N, int K, int NT, int KT,
                           const LoraAug& la) {
@@ -1333,7 +1392,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   const int sms = num_sms(x.get_device());
   const int rows_alloc = std::min(MP, M + 1);
   const size_t smem = (size_t)2 * rows_alloc * (KCH * 64 + 8) * sizeof(__nv_bfloat16);
-  auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>;
+  auto kern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW, PAIR>;
   const int occ = resident_ctas(kern, NW * 32, smem, x.get_device());
   // every resident CTA slot gets an equal share of the RG * KT units, but at least kMinUnits of them (small
   // problems: fewer, longer CTAs instead of many that are all prologue)
@@ -1429,6 +1488,33 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   run_mma(aligned_contiguous(x), qw, gs, bp, out, n, k, resolved_variant(M, n, k), LoraAug{});
   return 0;
+}
+
+// out = silu(x @ Wg^T) * (x @ Wu^T) for a fused gate/up weight qw of n rows (gate rows [0, n/2), up rows [n/2, n)):
+// x [M, k] bf16 contiguous, out [M, n/2] bf16 contiguous, in one launch of the stream-K kernel in pair mode
+// (8 warps per block), bit-identical to the product rounded to bf16 followed by qerl_fused's silu_mul. Returns false,
+// launching nothing, where that kernel does not take it (M outside 1..64, x not bf16, n not a multiple of 32 or
+// the weight padded past n rows).
+bool linear_silu_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                     at::Tensor& out) {
+  check_packed(qw, gs, n, k);
+  TORCH_CHECK(x.is_cuda() && x.get_device() == qw.get_device(), "qerl: x must be on the weight's device");
+  QERL_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, %lld], got %s", (long long)k,
+             qerl_check::shape(x.sizes()).c_str());
+  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n / 2 &&
+                  out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              "qerl: out must be a contiguous [M, n / 2] tensor of x's dtype");
+  const int64_t M = x.size(0);
+  if (M < 1 || M > kSliceTokens || x.scalar_type() != at::kBFloat16 || n % 32 != 0 || qw.size(0) * 16 != n)
+    return false;
+  c10::cuda::CUDAGuard guard(qw.device());
+  const at::Tensor xc = aligned_contiguous(x);
+  const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
+  if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
+  else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
+  else if (Mi <= 32) launch_mma_v2<4, 1, 4, 8, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
+  else launch_mma_v2<8, 1, 2, 4, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
+  return true;
 }
 
 // out = x @ W^T (+ bias) + hs @ bs in one launch of the small-M kernel (see LoraAug): x [M, k] bf16, hs [M, R] fp32
@@ -1556,6 +1642,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "does not run the product or take the term",
         py::arg("x"), py::arg("qw"), py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("bias"),
         py::arg("hs"), py::arg("bs"), py::arg("segs") = std::vector<int64_t>());
+  m.def("linear_silu_out", &qerl::linear_silu_out,
+        "silu(x @ Wg^T) * (x @ Wu^T) into out [M, n/2] for a fused gate/up weight (gate rows first) in one small-M "
+        "kernel launch; false (nothing launched) where that kernel does not take it",
+        py::arg("x"), py::arg("qw"), py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"));
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; },
         "programmatic dependent launch of the small-M kernels (and of qerl_fused's) on or off");
   m.def("get_pdl", [] { return qerl_pdl::enabled_flag() != 0; });

@@ -283,6 +283,46 @@ def test_lora_in_kernel_decode_above_16_rows(gpu_model, monkeypatch):
     _same_policy(off, on, on_eng, group=8)  # (sampled at 24 rows too)
 
 
+@pytest.mark.parametrize("adapter_on", ["none", "attention", "all"])
+def test_silu_in_kernel_decode(gpu_model, monkeypatch, adapter_on):
+    """(session 20) Where gate/up and down carry no LoRA term, a decode step's gate/up kernel writes silu(gate) * up
+    itself (``kernel.linear_silu``, counted) and the SiLU·mul kernel is skipped; rollouts are bit-identical to the
+    two-kernel route (variant v2w8 forced in both, so both run the same product). An adapter on attention alone
+    leaves it on; one on every projection turns it off (the down shrink rides in the SiLU·mul kernel then)."""
+    from qerl_cli import engine as engine_mod
+    from qerl_cli import kernel
+    from qerl_cli.engine import LoRA
+
+    calls = {"silu": 0}
+    monkeypatch.setattr(engine_mod._kernel, "linear_silu", _counting(calls, "silu", kernel.linear_silu))
+    factors = _random_factors(gpu_model, 16, 3)
+    if adapter_on == "attention":
+        factors = {k: v for k, v in factors.items() if "self_attn" in k}
+    before = kernel.variant()
+    kernel.set_variant("v2w8")
+    try:
+        runs = []
+        for on in (False, True):
+            eng = Engine(gpu_model, "cuda")
+            if adapter_on != "none":
+                eng.set_adapter(LoRA(factors, scaling=2.0))
+            eng.silu_in_kernel = on
+            made = calls["silu"]
+            runs.append(eng.generate(PROMPTS, 4, SamplingConfig(temperature=1.0, max_new_tokens=20), 7, set(), 0))
+            if not on:
+                assert calls["silu"] == made == 0
+        n_layers = len(gpu_model.model.layers)
+        if adapter_on == "all":
+            assert calls["silu"] == 0, calls
+        else:
+            assert calls["silu"] >= n_layers, calls  # (prefill rows above 64 take the two kernels)
+        off, on = runs
+        assert torch.equal(off.completion_ids, on.completion_ids)
+        assert torch.equal(off.behaviour_logprobs, on.behaviour_logprobs)
+    finally:
+        kernel.set_variant(before)
+
+
 def test_fused_sampler_in_decode(gpu_model, monkeypatch):
     """Decode steps at temperature > 0 without truncation draw in the fused sampling kernel (counted), with eos
     handling: a row that draws an eos stops (mask, finish reason), the behaviour log-probs match the teacher-

@@ -390,6 +390,74 @@ def test_gpu_v2_fixups_bit_identical(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(37888, 3584), (3072, 576), (512, 256), (64, 4096), (55296, 5120)])
+def test_gpu_linear_silu_equals_product_then_silu_mul(n, k):
+    """Pair mode (kernel.linear_silu, a fused gate/up weight: gate rows first): silu(gate) * up from one launch is
+    bit-identical to the v2w8 product rounded to bf16 followed by qerl_fused's silu_mul, at every M up to 64 (rows
+    poisoned before each run: every output written), including row groups cut between CTAs (the stream-K fixup)
+    and whole ones, and one CUDA graph replay."""
+    from qerl_cli import fused
+
+    _need_kernel()
+    assert fused.available(), fused.build_error()
+    ext = kernel._load()
+    before = kernel.variant()
+    qw, gs = make_packed(n, k, device="cuda", seed=n ^ k)
+    try:
+        kernel.set_variant("v2w8")
+        for m in (1, 2, 3, 8, 9, 13, 16, 17, 32, 33, 40, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert int(ext.linear_out(x, qw, kernel._gs(gs), n, k, y, 0, None)) == 0
+            expect = fused.silu_mul(y[:, : n // 2], y[:, n // 2:])
+            out = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)
+            torch.cuda.synchronize()
+            assert not torch.isnan(expect).any() and torch.equal(out, expect), (n, k, m)
+            with torch.no_grad():
+                got = kernel.linear_silu(x, qw, gs, n, k)
+            assert got is not None and torch.equal(got, expect), (n, k, m)
+        g = torch.cuda.CUDAGraph()
+        x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((8, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)  # (workspace and counters before the capture)
+        with torch.cuda.graph(g):
+            ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)
+        first = out.clone()
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    finally:
+        kernel.set_variant(before)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_silu_declines():
+    """linear_silu runs only where linear would run v2w8 on the small-M path: None (nothing computed) for more than
+    64 rows, a non-bf16 x, another variant forced, n not a multiple of 32, or with autograd on."""
+    _need_kernel()
+    before = kernel.variant()
+    qw, gs = make_packed(512, 256, device="cuda")
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    try:
+        kernel.set_variant("v2w8")
+        with torch.no_grad():
+            assert kernel.linear_silu(x, qw, gs, 512, 256) is not None
+            assert kernel.linear_silu(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), qw, gs, 512,
+                                      256) is None
+            assert kernel.linear_silu(x.half(), qw, gs, 512, 256) is None
+            qw48, gs48 = make_packed(48, 256, device="cuda")
+            assert kernel.linear_silu(x, qw48, gs48, 48, 256) is None
+            kernel.set_variant("default")
+            assert kernel.linear_silu(x, qw, gs, 512, 256) is None
+        kernel.set_variant("v2w8")
+        assert kernel.linear_silu(x, qw, gs, 512, 256) is None  # (grad mode)
+    finally:
+        kernel.set_variant(before)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(37888, 3584), (3584, 18944), (4608, 3584), (16, 64), (64, 4096), (5000, 64)])
 def test_gpu_v2_matches_default(n, k):
     """v2 and the default kernel: same A fragments, only the fp32 summation order differs (M up to 64). The mma

@@ -505,6 +505,10 @@ class Engine:
         # projection, and the gate/up term no longer a cuBLAS addmm.
         # QERL_ENGINE_LORA_IN_KERNEL=0 (or False) keeps the separate expand kernels
         self.lora_in_kernel = os.environ.get("QERL_ENGINE_LORA_IN_KERNEL", "1") != "0"
+        # with the fused kernels on, a packed gate/up group without LoRA terms whose product the stream-K kernel
+        # (v2w8) runs writes silu(gate) * up itself (kernel.linear_silu, bit-identical): the SiLU·mul kernel and the
+        # [M, 2I] intermediate go. QERL_ENGINE_SILU_IN_KERNEL=0 (or False) keeps the two kernels
+        self.silu_in_kernel = os.environ.get("QERL_ENGINE_SILU_IN_KERNEL", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
         # decode steps on CUDA at temperature > 0 without top-k / top-p draw their tokens in one fused kernel
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
@@ -778,12 +782,30 @@ class Engine:
         ``shrunk``: the gate/up terms' shrink already made; ``down_terms``: the down projection's batched LoRA
         terms, whose shrink then rides in the SiLU·mul kernel where it takes them)."""
         mlp, pre = self.layers[i].mlp, f"model.layers.{i}.mlp."
+        if silu_mul is _silu_mul_kernel and down_terms is None and (a := self._silu_in_kernel(i, x)) is not None:
+            return self._linear(mlp.down_proj, pre + "down_proj", a)
         g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "gate_proj", pre + "up_proj"], x,
                            shrunk)
         made = _fk.silu_mul_shrink(g, u, down_terms[0]) if down_terms is not None else None
         if made is None:
             return self._linear(mlp.down_proj, pre + "down_proj", silu_mul(g, u))
         return self._linear(mlp.down_proj, pre + "down_proj", made[0], made[1])
+
+    def _silu_in_kernel(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of layer ``i`` on normed ``x`` from one NVFP4 kernel launch (``kernel.linear_silu``)
+        where its fused gate/up group is packed, unbiased, of two equal members without any LoRA term (peft's or
+        ours); None where not (the caller runs the group, then the SiLU·mul kernel)."""
+        from .packed_model import PackedLinear
+
+        f = self.fused[i].get("gate_up")
+        if not (self.silu_in_kernel and f is not None and isinstance(f.base, PackedLinear) and f.base.bias is None
+                and len(f.sizes) == 2 and f.sizes[0] == f.sizes[1]
+                and not any(hasattr(m, "lora_A") for m in f.modules)
+                and (self.lora is None or not any(n in self.lora.factors for n in f.names))):
+            return None
+        b = f.base
+        a = _kernel.linear_silu(x.reshape(-1, x.shape[-1]), b.qweight, b.global_scale, b.out_features, b.in_features)
+        return None if a is None else a.view(*x.shape[:-1], f.sizes[0])
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                    cache, slots: torch.Tensor | None, ops: _Ops, kernels: bool = False,

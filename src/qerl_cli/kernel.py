@@ -60,7 +60,7 @@ from . import layout
 
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
            "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
-           "linear_lora", "takes_lora", "LORA_MAX_ROWS"]
+           "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS"]
 
 BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
@@ -488,6 +488,34 @@ def linear_lora(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if not ext.linear_lora_out(x, qweight.contiguous(), _gs(global_scale), int(n), int(k), out,
                                None if bias is None else bias.contiguous(), hs, bs, [int(v) for v in segs]):
+        return None
+    _set_backend(BACKEND_KERNEL)
+    return out
+
+
+def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int
+                ) -> torch.Tensor | None:
+    """``silu(x @ Wg^T) * (x @ Wu^T)`` for a fused gate/up weight of ``n`` rows (gate rows first, up rows from
+    ``n / 2``) and bf16 CUDA ``x [M, k]``: ``[M, n / 2]`` from one launch of the stream-K kernel in pair mode
+    (its row groups hold gate block j and up block j side by side and write the SwiGLU activation instead of the
+    product), bit-identical to ``fused.silu_mul`` on the halves of ``linear(x, ...)`` — one launch and the
+    ``[M, n]`` intermediate fewer per decode step. None, with nothing computed, where it would not be the kernel
+    ``linear`` runs there (no-grad only; CPU, no extension, a variant other than ``v2w8`` chosen or forced for
+    the shape, the dequantize path, more than 64 rows, ``n`` not a multiple of 32): the caller then takes the
+    two-kernel route."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16) or torch.is_grad_enabled():
+        return None
+    ext = _load()
+    m = x.shape[0]
+    if ext is None or not 1 <= m <= 64 or n % 32 != 0 or ext.choose_path(int(m), int(n), int(k)) != 0:
+        return None
+    code = int(ext.get_variant())
+    if (int(ext.auto_variant(int(m), int(n), int(k))) if code == VARIANTS["auto"] else code) != VARIANTS["v2w8"]:
+        return None
+    _check_packed(qweight, global_scale, n, k)
+    _check_act(x, k, "x", qweight)
+    out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
+    if not ext.linear_silu_out(x, qweight.contiguous(), _gs(global_scale), int(n), int(k), out):
         return None
     _set_backend(BACKEND_KERNEL)
     return out
