@@ -678,7 +678,8 @@ __device__ __forceinline__ int sk_owner(int64_t u, int64_t W, int64_t P) { retur
 
 // Pair mode of the stream-K kernel (linear_silu_out: a fused gate/up weight, gate rows [0, N/2), up rows [N/2, N)):
 // logical 16-row block 2j is gate block j and 2j + 1 is up block j, so every row group holds both halves of its
-// outputs and writes silu(gate) * up, [M, N/2], instead of the [M, N] product.
+// outputs and writes silu(gate) * up, [M, N/2], instead of the [M, N] product. The stream-K split runs over the
+// logical (interleaved) rows: the same as the v2w8 product of the block-interleaved weight.
 __device__ __forceinline__ int pair_block(int rb, int NT, int pair) {
   return pair ? ((rb & 1) ? (NT >> 1) + (rb >> 1) : (rb >> 1)) : rb;
 }
@@ -1492,7 +1493,9 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 
 // out = silu(x @ Wg^T) * (x @ Wu^T) for a fused gate/up weight qw of n rows (gate rows [0, n/2), up rows [n/2, n)):
 // x [M, k] bf16 contiguous, out [M, n/2] bf16 contiguous, in one launch of the stream-K kernel in pair mode
-// (8 warps per block), bit-identical to the product rounded to bf16 followed by qerl_fused's silu_mul. Returns false,
+// (8 warps per block): the product rounded to bf16 followed by qerl_fused's silu_mul, bit for bit where the
+// stream-K split is that of the block-interleaved weight (gate block j, up block j, ...) — against the plain
+// weight's product the rows cut between CTAs are cut elsewhere, so fp32 sums differ in order there. Returns false,
 // launching nothing, where that kernel does not take it (M outside 1..64, x not bf16, n not a multiple of 32 or
 // the weight padded past n rows).
 bool linear_silu_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,

@@ -287,8 +287,9 @@ def test_lora_in_kernel_decode_above_16_rows(gpu_model, monkeypatch):
 def test_silu_in_kernel_decode(gpu_model, monkeypatch, adapter_on):
     """(session 20) Where gate/up and down carry no LoRA term, a decode step's gate/up kernel writes silu(gate) * up
     itself (``kernel.linear_silu``, counted) and the SiLU·mul kernel is skipped; rollouts are bit-identical to the
-    two-kernel route (variant v2w8 forced in both, so both run the same product). An adapter on attention alone
-    leaves it on; one on every projection turns it off (the down shrink rides in the SiLU·mul kernel then)."""
+    two-kernel route (variant v2w8 forced in both; at this model's shapes no row group is cut between blocks, so
+    both sum in one order: kernel tests cover cut ones). An adapter on attention alone leaves it on; one on every
+    projection turns it off (the down shrink rides in the SiLU·mul kernel then)."""
     from qerl_cli import engine as engine_mod
     from qerl_cli import kernel
     from qerl_cli.engine import LoRA

@@ -498,8 +498,10 @@ def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
     """``silu(x @ Wg^T) * (x @ Wu^T)`` for a fused gate/up weight of ``n`` rows (gate rows first, up rows from
     ``n / 2``) and bf16 CUDA ``x [M, k]``: ``[M, n / 2]`` from one launch of the stream-K kernel in pair mode
     (its row groups hold gate block j and up block j side by side and write the SwiGLU activation instead of the
-    product), bit-identical to ``fused.silu_mul`` on the halves of ``linear(x, ...)`` — one launch and the
-    ``[M, n]`` intermediate fewer per decode step. None, with nothing computed, where it would not be the kernel
+    product): ``fused.silu_mul`` on the halves of ``linear(x, ...)`` up to the fp32 summation order of the rows
+    the stream-K split cuts between blocks (bit-identical to the route through the v2w8 product of the
+    block-interleaved weight, whose split it shares) — one launch and the ``[M, n]`` intermediate fewer per
+    decode step. None, with nothing computed, where it would not be the kernel
     ``linear`` runs there (no-grad only; CPU, no extension, a variant other than ``v2w8`` chosen or forced for
     the shape, the dequantize path, more than 64 rows, ``n`` not a multiple of 32): the caller then takes the
     two-kernel route."""
