@@ -216,6 +216,16 @@ def test_group_scope_shares_noise_within_groups(model):
     assert (tf - b.behaviour_logprobs).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("groups,group_size", [(1, 1), (3, 1), (2, 2)])
+def test_group_noise_for_another_batch_is_refused(model, groups, group_size):
+    """A per-group draw made for another batch shape is one clear error, not a silent broadcast (a one-row draw
+    would give every prompt the same noise while the rollout logs it as per group; review, session 19)."""
+    eng = Engine(model)
+    eng.set_noise(0.05, 1, scope="group", groups=groups, group_size=group_size)
+    with pytest.raises(QerlError, match=r"per-group noise draw covers \d+ rows, but this batch has 3 prompts x G = 2"):
+        eng.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=4), 3, {EOS}, PAD)
+
+
 def test_lora_applied_beside_the_base_and_swappable(model):
     eng = Engine(model)
     g = torch.Generator().manual_seed(0)

@@ -1043,6 +1043,11 @@ class Engine:
         r = b * g
         p_len = max(len(p) for p in prompts)
         check_positions(self.model.config, p_len, t_new)
+        if self._noisy is not None and self.noise.scope == "group":
+            drawn = next(iter(self._noisy[0].values())).shape[0]
+            if drawn != r:  # (a draw of one row would broadcast over every prompt: batch noise, logged as per group)
+                raise QerlError(f"the per-group noise draw covers {drawn} rows, but this batch has {b} prompts x G = "
+                                f"{g} = {r} rows: draw it with set_noise(..., groups={b}, group_size={g}).")
         slots = p_len + t_new
         ids = torch.full((b, p_len), pad_id, dtype=torch.long)
         pmask = torch.zeros(b, p_len, dtype=torch.bool)
