@@ -102,8 +102,9 @@
 #   43 [MS]                        session 20 (sm_90a code only): both builds (normal and timeline probe), the GPU
 #                                  tests of SiLU·mul in the gate/up kernel and of the engine, benchmarks/probe_timeline.py
 #                                  (per-CTA timestamps of the small-M kernels in chains of one shape at MS, default
-#                                  1,8,16, M = 8 again without PDL, and in a 7B-shape decode step at batch 8), then
-#                                  the 7B-shape rollouts with SiLU·mul in the gate/up kernel against without
+#                                  1,8,16, M = 8 again without PDL, and in a 7B-shape decode step at batch 8) after
+#                                  the 7B-shape rollouts with SiLU·mul in the gate/up kernel against without; T43
+#                                  (default 560): the seconds after which the probe is cut off
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -558,12 +559,12 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   COLUMNS=200 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
     tests/test_kernel.py -k "silu" tests/test_engine_gpu.py > "$OUT/gpu_tests_silu.log" 2>&1
   tail -n 15 "$OUT/gpu_tests_silu.log"; stamp 43 "pair-mode and engine GPU tests done"
-  timeout 150 python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
-    --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
-  stamp 43 "timeline probe done"
-  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --silu-in-kernel \
+  timeout 150 python3 benchmarks/bench_rollout.py --skip-smollm2 --silu-in-kernel \
     --json "$OUT/rollout_7b_silu.json" 2>&1 | tee "$OUT/bench_rollout_7b_silu.log" | grep -v '^{'
   stamp 43 "SiLU-in-kernel rollouts done"
+  timeout $(( ${T43:-560} - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
+    --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
+  stamp 43 "timeline probe done"
   ;;
 8)
   build; stamp 8 "kernels built"
