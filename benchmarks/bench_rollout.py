@@ -233,9 +233,6 @@ def main() -> None:
     ap.add_argument("--decode-attn-lora", action="store_true",
                     help="7B shapes (NVFP4), batch 8, rank-32 adapter: decode attention in our kernel against SDPA "
                          "with PDL on and off, interleaved twice, then per-kernel profiles of both without PDL")
-    ap.add_argument("--fixup-defer", action="store_true",
-                    help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the v2 kernels' split row groups summed after a "
-                         "block's last segment (the default) against after each, interleaved three times")
     ap.add_argument("--silu-in-kernel", action="store_true",
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: silu(gate) * up written by the gate/up kernel "
                          "(the default) against the SiLU·mul kernel after it, interleaved three times")
@@ -282,8 +279,6 @@ def main() -> None:
         sampler_part(result, rows, save)
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
-    elif args.fixup_defer:
-        defer_part(rows, save)
     elif args.silu_in_kernel:
         silu_part(rows, save)
     elif args.decode_attn:
@@ -473,29 +468,6 @@ def attn_part(rows, save) -> None:
                 finally:
                     fused._load().set_attn_late_trigger(False)
                 save()
-
-
-def defer_part(rows, save) -> None:
-    """The v2 kernels' stream-K fixups after a block's last segment (set_fixup_defer, session 20: the default)
-    against after each segment, interleaved three times: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens, without
-    and (once) with a rank-32 adapter."""
-    from qerl_cli import kernel
-
-    ext = kernel._load()
-    big = pack_model_inplace(random_model(qwen7b_config()))
-    gc.collect()
-    torch.cuda.empty_cache()
-    try:
-        for rep in range(3):
-            for rank in ((0, 32) if rep == 0 else (0,)):
-                for on in (True, False):
-                    ext.set_fixup_defer(on)
-                    name = "ours-nvfp4" + (" +lora32" if rank else "") + ("" if on else " fixup-each-segment")
-                    rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
-                                 **time_engine(big, 8, 256, 512, 152064, lora_rank=rank)})
-                    save()
-    finally:
-        ext.set_fixup_defer(True)
 
 
 def silu_part(rows, save) -> None:

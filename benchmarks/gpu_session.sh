@@ -105,8 +105,6 @@
 #                                  1,8,16, M = 8 again without PDL, and in a 7B-shape decode step at batch 8) after
 #                                  the 7B-shape rollouts with SiLU·mul in the gate/up kernel against without; T43
 #                                  (default 560): the seconds after which the probe is cut off
-#   44 [T44]                       session 20, after 43: the v2 fixups deferred to a block's last segment: builds,
-#                                  kernel / engine GPU tests, rollouts deferred against not, timeline chains
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -151,7 +149,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 44 (see above)}"
+PART="${1:?part 1 to 43 (see above)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -567,28 +565,6 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( ${T43:-560} - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
     --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
   stamp 43 "timeline probe done"
-  ;;
-44)
-  # session 20, after 43: the v2 fixups deferred to a block's last segment (sm_90a code only): both builds, the
-  # fixup / pair-mode / PDL-chain kernel tests and the engine's GPU tests, the 7B-shape rollouts deferred against
-  # after each segment, then the timeline probe's chains (deferred, then not); cut off at T44 seconds (default 320)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
-  QERL_KERNEL_TIMELINE=1 python3 -c "from qerl_cli import kernel; print('timeline build:', kernel.available(), \
-    kernel.build_error())" > "$OUT/build_timeline.log" 2>&1 &
-  build; wait; cat "$OUT/build_timeline.log"; stamp 44 "both builds done"
-  COLUMNS=200 timeout 75 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
-    -k "fixups or silu or pdl_chain or v2_matches" > "$OUT/gpu_tests_kernel.log" 2>&1
-  tail -n 6 "$OUT/gpu_tests_kernel.log"
-  COLUMNS=200 timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
-    > "$OUT/gpu_tests_engine.log" 2>&1
-  tail -n 6 "$OUT/gpu_tests_engine.log"; stamp 44 "GPU tests done"
-  timeout 100 python3 benchmarks/bench_rollout.py --skip-smollm2 --fixup-defer \
-    --json "$OUT/rollout_7b_defer.json" 2>&1 | tee "$OUT/bench_rollout_7b_defer.log" | grep -v '^{'
-  stamp 44 "deferred-fixup rollouts done"
-  timeout $(( ${T44:-320} - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --skip-engine --ms 1,8,16 \
-    --no-pdl-ms "" --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
-  stamp 44 "timeline chains done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -229,8 +229,6 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--no-pdl-ms", default="8", help="the chains again at these M with PDL off ('' for none)")
-    ap.add_argument("--no-defer-ms", default="1,8,16",
-                    help="the chains again at these M with the v2 fixups after each segment ('' for none)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_timeline: needs a CUDA device", file=sys.stderr)
@@ -242,13 +240,6 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "pdl": bool(ext.get_pdl())}
     try:
         chains(ext, [int(v) for v in args.ms.split(",")], args.calls, result)
-        if args.no_defer_ms:
-            ext.set_fixup_defer(False)
-            try:
-                print("v2 fixups after each segment (not deferred):")
-                chains(ext, [int(v) for v in args.no_defer_ms.split(",")], args.calls, result, "chains_no_defer")
-            finally:
-                ext.set_fixup_defer(True)
         if args.no_pdl_ms:
             ext.set_pdl(False)
             try:

@@ -710,8 +710,7 @@ template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR =
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup, int defer,
-    LoraAug la) {
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup, LoraAug la) {
   constexpr int pair = PAIR ? 1 : 0;
   QERL_TL_BEGIN
 #ifdef QERL_TIMELINE
@@ -771,50 +770,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
   for (int q = 0; q < TG; ++q)
     lrow_off[q] = (uint32_t)((min(q * 8 + (lane & 7), mslice) * LDX + 8 * (lane >> 3)) * 2);
   const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
-
-  // a row group cut between CTAs, once this CTA's partial of it is written and fenced: the last of its CTAs (by
-  // ticket) adds the partials in CTA order. defer (session 20): every CTA takes its tickets and sums after its last
-  // segment instead of after each, so a CTA that sums its first row group does not start its second one late (the
-  // timeline probe showed those CTAs finishing their K loops up to 7 us after the median, then summing last)
-  int pending[2];
-  int npending = 0;
-  auto fixup = [&](int rg) {
-    const int bfirst = sk_owner((int64_t)rg * KT, W, P);
-    const int blast = sk_owner((int64_t)rg * KT + KT - 1, W, P);
-    if (tid == 0) {
-      const int prev = atomicAdd(&counters[rg], 1);
-      s_last = (prev == blast - bfirst);
-    }
-    __syncthreads();
-    if (s_last) {
-      __threadfence();
-      const int n0 = rg * ROWS;
-      const int nrows = min(ROWS, N - n0);
-      // slot 1 of the first CTA only when its range starts inside an earlier row group
-      const size_t slot_stride = (size_t)M * ROWS;
-      const size_t first_slot = (size_t)(2 * bfirst + (sk_begin(bfirst, W, P) >= (int64_t)rg * KT ? 0 : 1));
-      ordered_slot_sum<NW * 32>(ws, mslice * ROWS, ROWS, nrows, blast - bfirst + 1, batched_fixup != 0,
-                                [&](int j) {
-        return (j == 0 ? first_slot : (size_t)(2 * (bfirst + j))) * slot_stride;
-      }, [&](int i, float sum) {
-        if (pair) {
-          pbuf[i] = sum;
-          return;
-        }
-        const int m = i / ROWS, nn = i % ROWS;
-        out[(size_t)m * N + n0 + nn] = out_value(sum * alpha, bias, n0 + nn);
-      });
-      if (pair) {
-        __syncthreads();
-        pair_epilogue<NW * 32, ROWS>(pbuf, out, alpha, mslice, nrows, N / 2, rg * (ROWS / 2));
-      }
-      if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
-#ifdef QERL_TIMELINE
-      tl_fixups += 1u;
-#endif
-    }
-    __syncthreads();  // s_last (and pbuf) are rewritten by the next fixup or segment
-  };
 
   for (int64_t u = u0; u < u1;) {
     const int rg = (int)(u / KT);
@@ -980,18 +935,45 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       }
       continue;
     }
-    if (defer) {  // (tickets and sums after the last segment)
-      pending[npending++] = rg;
-      continue;
+
+    // a row group cut between CTAs: the last of its CTAs adds the partials in CTA order
+    __threadfence();
+    __syncthreads();
+    const int bfirst = sk_owner((int64_t)rg * KT, W, P);
+    const int blast = sk_owner((int64_t)rg * KT + KT - 1, W, P);
+    if (tid == 0) {
+      const int prev = atomicAdd(&counters[rg], 1);
+      s_last = (prev == blast - bfirst);
     }
-    __threadfence();
     __syncthreads();
-    fixup(rg);
-  }
-  if (npending > 0) {
-    __threadfence();
-    __syncthreads();
-    for (int i = 0; i < npending; ++i) fixup(pending[i]);
+    if (s_last) {
+      __threadfence();
+      const int n0 = rg * ROWS;
+      const int nrows = min(ROWS, N - n0);
+      // slot 1 of the first CTA only when its range starts inside an earlier row group
+      const size_t slot_stride = (size_t)M * ROWS;
+      const size_t first_slot = (size_t)(2 * bfirst + (sk_begin(bfirst, W, P) >= (int64_t)rg * KT ? 0 : 1));
+      ordered_slot_sum<NW * 32>(ws, mslice * ROWS, ROWS, nrows, blast - bfirst + 1, batched_fixup != 0,
+                                [&](int j) {
+        return (j == 0 ? first_slot : (size_t)(2 * (bfirst + j))) * slot_stride;
+      }, [&](int i, float sum) {
+        if (pair) {
+          pbuf[i] = sum;
+          return;
+        }
+        const int m = i / ROWS, nn = i % ROWS;
+        out[(size_t)m * N + n0 + nn] = out_value(sum * alpha, bias, n0 + nn);
+      });
+      if (pair) {
+        __syncthreads();
+        pair_epilogue<NW * 32, ROWS>(pbuf, out, alpha, mslice, nrows, N / 2, rg * (ROWS / 2));
+      }
+      if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
+#ifdef QERL_TIMELINE
+      tl_fixups += 1u;
+#endif
+    }
+    __syncthreads();  // s_last is rewritten by the next segment
   }
   QERL_TL_END(16u + tl_fixups)  // 16 + the row groups this CTA summed (v2)
 }
@@ -1099,12 +1081,12 @@ QERL_MMA_CONFIGS(QERL_INSTANCE)
 #define QERL_V2_INSTANCE(TG, R, D, KCH, NACC, MINB, NW)                                                      \
   template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW>(                               \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
-      int, int, int, int, int, int, int, LoraAug);
+      int, int, int, int, int, int, LoraAug);
 QERL_MMA_V2_CONFIGS(QERL_V2_INSTANCE)
 #define QERL_V2_PAIR_INSTANCE(TG, R, D, KCH, NACC, MINB, NW)                                                 \
   template __global__ void nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW, true>(                         \
       const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
-      int, int, int, int, int, int, int, LoraAug);
+      int, int, int, int, int, int, LoraAug);
 QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 8)
 QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 8)
 QERL_V2_PAIR_INSTANCE(4, 1, 4, 8, 1, 2, 8)
@@ -1144,11 +1126,6 @@ static int g_fixup = [] {
 // down 18.3 against 19.6 us); batched from M = 8 on, 2-8 % faster (M = 8: 7B down 20.8 against 22.6, 32B q/k/v
 // 13.1 against 14.3; M = 16: 7B gate_up 33.8 against 35.6); M = 4 was a wash.
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
-// v2 fixups after a CTA's last segment (1, the default) or after each (0): QERL_FIXUP_DEFER, set_fixup_defer
-static int g_defer = [] {
-  const char* e = std::getenv("QERL_FIXUP_DEFER");
-  return (e && e[0] == '0') ? 0 : 1;
-}();
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_last_split = 0;  // the last launch's K split, negative when reduced in a cluster (0: stream-K, v2)
 
@@ -1429,8 +1406,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(),
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
                                    gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M), g_defer,
-                                   la));
+                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M), la));
   g_last_split = 0;
 }
 
@@ -1699,9 +1675,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_fixup", &qerl::set_fixup,
         "stream-K fixup of the v2 kernel: 0 auto (per M), 1 batched (4 elements x 8 slots in flight), 2 serial");
   m.def("get_fixup", [] { return (int64_t)qerl::g_fixup; });
-  m.def("set_fixup_defer", [](bool on) { qerl::g_defer = on ? 1 : 0; },
-        "v2 kernels: split row groups summed after a block's last segment (on, the default) or after each");
-  m.def("get_fixup_defer", [] { return qerl::g_defer != 0; });
 #ifdef QERL_TIMELINE
   m.def("set_timeline", &qerl::set_timeline, "per-CTA timestamps of the small-M kernels into a uint8 buffer (probe builds)");
   m.def("timeline_count", &qerl::timeline_count, "records appended since set_timeline");

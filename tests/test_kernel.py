@@ -361,9 +361,8 @@ def test_gpu_path_choice():
 @pytest.mark.parametrize("n,k", [(3584, 18944), (7168, 5120), (5000, 64)])
 def test_gpu_v2_fixups_bit_identical(n, k):
     """The v2 kernels' two stream-K fixups (batched: 4 elements x 8 slots in flight; serial: one element, four
-    slots), each summed after a block's last segment (deferred, the default) or after each, add the same partials
-    in the same order: bit-identical outputs, at every M up to 64 (the stream-K kernel ran: ``last_split`` 0), both
-    warp counts."""
+    slots) add the same partials in the same order: bit-identical outputs, at every M up to 64 (the stream-K
+    kernel ran: ``last_split`` 0), both warp counts."""
     _need_kernel()
     ext = kernel._load()
     before = kernel.variant()
@@ -375,21 +374,18 @@ def test_gpu_v2_fixups_bit_identical(n, k):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 outs = []
                 for mode in (1, 2, 0):
-                    for defer in (True, False):
-                        ext.set_fixup(mode)
-                        ext.set_fixup_defer(defer)
-                        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                        kernel.linear(x, qw, gs, n, k, out=out)
-                        assert int(ext.last_split()) == 0, (v, m)
-                        outs.append(out)
+                    ext.set_fixup(mode)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    kernel.linear(x, qw, gs, n, k, out=out)
+                    assert int(ext.last_split()) == 0, (v, m)
+                    outs.append(out)
                 torch.cuda.synchronize()
                 assert not torch.isnan(outs[0]).any() and rel_err(outs[0], ref_fp32(x, qw, gs, n, k)) <= 1e-2
-                assert all(torch.equal(outs[0], o) for o in outs[1:]), (v, m)
+                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (v, m)
         with pytest.raises(RuntimeError, match="fixup must be"):
             ext.set_fixup(3)
     finally:
         ext.set_fixup(0)
-        ext.set_fixup_defer(True)
         kernel.set_variant(before)
 
 
@@ -423,12 +419,10 @@ def test_gpu_linear_silu_equals_product_then_silu_mul(n, k):
             y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             assert int(ext.linear_out(x, qw, kernel._gs(gs), n, k, y, 0, None)) == 0
             plain = fused.silu_mul(y[:, : n // 2], y[:, n // 2:])
-            for defer in (False, True):  # (summed after each segment, then after the last: the default)
-                ext.set_fixup_defer(defer)
-                out = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
-                assert ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)
-                torch.cuda.synchronize()
-                assert not torch.isnan(expect).any() and torch.equal(out, expect), (n, k, m, defer)
+            out = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)
+            torch.cuda.synchronize()
+            assert not torch.isnan(expect).any() and torch.equal(out, expect), (n, k, m)
             assert rel_err(out, plain) <= 1e-2, (n, k, m)
             with torch.no_grad():
                 got = kernel.linear_silu(x, qw, gs, n, k)
@@ -448,7 +442,6 @@ def test_gpu_linear_silu_equals_product_then_silu_mul(n, k):
         torch.cuda.synchronize()
         assert torch.equal(out, first)
     finally:
-        ext.set_fixup_defer(True)
         kernel.set_variant(before)
 
 
