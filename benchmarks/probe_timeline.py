@@ -88,8 +88,19 @@ def launches(recs: np.ndarray) -> list[dict]:
                         "median_loop": int(np.median(loops)) if len(loops) else 0,
                         "last_loop": int(loops[-1]) if len(loops) else 0,
                         "last_exit": int(g["t_exit"].max()), "sms": int(len(np.unique(g["smid"]))),
+                        **mid_sums(g),
                         "flags": sorted({int(f) for f in g["flags"]})})
     return sorted(out, key=lambda d: d["first_entry"])
+
+
+def mid_sums(g: np.ndarray) -> dict:
+    """Stream-K launches (flags >= 16): how many blocks summed a row group before their last segment (flag bit 32),
+    and what share of the latest tenth of K-loop ends those blocks make (is a mid-kernel sum what makes them late?)."""
+    if not (g["flags"] >= 16).all():
+        return {"mid_sum_blocks": 0, "late_mid_share": 0.0}
+    mid = (g["flags"] & 32) != 0
+    late = g["t_loop"] >= np.quantile(g["t_loop"], 0.9)
+    return {"mid_sum_blocks": int(mid.sum()), "late_mid_share": float(mid[late].mean()) if late.any() else 0.0}
 
 
 def phases(seq: list[dict]) -> list[dict]:
@@ -98,6 +109,7 @@ def phases(seq: list[dict]) -> list[dict]:
     for prev, cur in zip(seq, seq[1:]):
         e = prev["last_exit"]
         rows.append({"tag": cur["tag"], "grid": cur["grid"], "sms": cur["sms"], "flags": cur["flags"],
+                     "mid_sum_blocks": cur["mid_sum_blocks"], "late_mid_share": cur["late_mid_share"],
                      "start": (cur["first_entry"] - e) / 1e3, "all_started": (cur["last_entry"] - e) / 1e3,
                      "wait": (cur["first_wait"] - e) / 1e3, "median_wait": (cur["median_wait"] - e) / 1e3,
                      "first_loop": (cur["first_loop"] - e) / 1e3, "median_loop": (cur["median_loop"] - e) / 1e3,
@@ -111,6 +123,8 @@ COLS = ["start", "all_started", "wait", "median_wait", "first_loop", "median_loo
 def summary(rows: list[dict]) -> dict:
     return {c: statistics.median(r[c] for r in rows) for c in COLS} | {
         "grid": rows[0]["grid"], "sms": statistics.median(r["sms"] for r in rows), "n": len(rows),
+        "mid_sum_blocks": statistics.median(r["mid_sum_blocks"] for r in rows),
+        "late_mid_share": statistics.median(r["late_mid_share"] for r in rows),
         "flags": sorted({f for r in rows for f in r["flags"]})}
 
 
@@ -122,7 +136,8 @@ def granularity(recs: np.ndarray) -> float:
 
 def print_row(label: str, s: dict) -> None:
     print(f"{label:<22} grid {s['grid']:>4} sms {s['sms']:>5.0f} | " + " ".join(f"{s[c]:7.2f}" for c in COLS)
-          + f" | flags {s['flags']}", flush=True)
+          + f" | flags {s['flags']} mid-sum blocks {s['mid_sum_blocks']:.0f} (late tenth {s['late_mid_share']:.0%})",
+          flush=True)
 
 
 def header() -> None:

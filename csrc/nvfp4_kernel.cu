@@ -971,11 +971,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
 #ifdef QERL_TIMELINE
       tl_fixups += 1u;
+      if (u < u1) tl_fixups |= 32u;  // a sum before this block's last segment
 #endif
     }
     __syncthreads();  // s_last is rewritten by the next segment
   }
-  QERL_TL_END(16u + tl_fixups)  // 16 + the row groups this CTA summed (v2)
+  QERL_TL_END(16u + tl_fixups)  // 16 + the row groups this CTA summed (v2), + 32 if one came before its last segment
 }
 
 // ---------------------------------------------------------------------------------------------------------
