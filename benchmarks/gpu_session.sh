@@ -105,6 +105,8 @@
 #                                  1,8,16, M = 8 again without PDL, and in a 7B-shape decode step at batch 8) after
 #                                  the 7B-shape rollouts with SiLU·mul in the gate/up kernel against without; T43
 #                                  (default 560): the seconds after which the probe is cut off
+#   45 [MS]                        session 20, prepared: the timeline probe build and benchmarks/probe_timeline.py
+#                                  alone (the check before commit 61b3ce5's deferred sums, part 44 there)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -149,7 +151,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 43 (see above)}"
+PART="${1:?part 1 to 45 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -565,6 +567,16 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( ${T43:-560} - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
     --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
   stamp 43 "timeline probe done"
+  ;;
+45)
+  # session 20, prepared: the timeline probe alone (sm_90a code only): chains and a 7B decode step, with the
+  # stream-K blocks that summed before their last segment counted (do mid-kernel sums make the late blocks late?)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  QERL_KERNEL_TIMELINE=1 build; stamp 45 "probe build done"
+  timeout $(( 560 - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
+    --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
+  stamp 45 "timeline probe done"
   ;;
 8)
   build; stamp 8 "kernels built"
