@@ -61,8 +61,9 @@ def copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(ts)
 
 
-def time_graph(fn, ncopies: int, calls: int, reps: int = 5) -> float:
-    """Median seconds per call of fn(i) (i cycles over the copies), captured in one CUDA graph."""
+def capture_graph(fn, ncopies: int, calls: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of ``calls`` calls fn(i) (i cycles over the copies), after a warm-up on a side stream;
+    replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -76,6 +77,12 @@ def time_graph(fn, ncopies: int, calls: int, reps: int = 5) -> float:
             fn(i % ncopies)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph(fn, ncopies: int, calls: int, reps: int = 5) -> float:
+    """Median seconds per call of fn(i) (i cycles over the copies), captured in one CUDA graph."""
+    g = capture_graph(fn, ncopies, calls)
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

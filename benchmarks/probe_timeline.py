@@ -145,7 +145,7 @@ def header() -> None:
 
 
 def chains(ext, ms: list[int], calls: int, result: dict, key: str = "chains") -> None:
-    from bench_kernel import random_packed
+    from bench_kernel import capture_graph, random_packed
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("(a) chains of back-to-back launches, µs after the previous launch's last exit (median over launches)")
@@ -160,19 +160,7 @@ def chains(ext, ms: list[int], calls: int, result: dict, key: str = "chains") ->
             def fn(i):
                 ext.linear_out(x, qws[i], gs, n, k, outs[i], -1)
 
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for i in range(2):
-                    fn(i)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(calls):
-                    fn(i)
-            g.replay()
-            torch.cuda.synchronize()
+            g = capture_graph(fn, calls, calls)  # (every launch its own weight copy)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             g.replay()
