@@ -107,6 +107,11 @@
 #                                  (default 560): the seconds after which the probe is cut off
 #   45 [MS]                        session 20, prepared: the timeline probe build and benchmarks/probe_timeline.py
 #                                  alone (the check before commit 61b3ce5's deferred sums, part 44 there)
+#   46 [MS GRIDS T46]              session 21 (sm_90a code only): the timeline probe build (128-byte records: first
+#                                  segment's loop end, ticket and sum times, units), benchmarks/probe_timeline.py with
+#                                  every record kept (timeline_raw.npz), the gate/up and down chains again at each
+#                                  stream-K CTA count in GRIDS (default 132,198); the normal build beside the probe,
+#                                  then the engine's GPU tests (SiLU·mul in the gate/up kernel on) until T46 (560)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -151,7 +156,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 45 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 46 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -577,6 +582,20 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 560 - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
     --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
   stamp 45 "timeline probe done"
+  ;;
+46)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  QERL_KERNEL_TIMELINE=1 build; stamp 46 "probe build done"
+  python3 -c "from qerl_cli import kernel; print('normal build:', kernel.available(), kernel.build_error())" \
+    > "$OUT/build_normal.log" 2>&1 &
+  timeout $(( 400 - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" --no-pdl-ms "" \
+    --grids "${GRIDS:-132,198}" --raw "$OUT/timeline_raw.npz" --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
+  stamp 46 "timeline probe done"
+  wait; cat "$OUT/build_normal.log"
+  COLUMNS=200 timeout $(( ${T46:-560} - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    --tb=short tests/test_engine_gpu.py > "$OUT/gpu_tests_engine.log" 2>&1
+  tail -n 8 "$OUT/gpu_tests_engine.log"; stamp 46 "engine GPU tests done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -2,7 +2,8 @@
 
     QERL_KERNEL_TIMELINE=1 is set by this script: it builds the probe extension (qerl_nvfp4_tl, -DQERL_TIMELINE),
     in which thread 0 of every CTA of the small-M kernels stamps %globaltimer at entry, when its PDL wait returns,
-    when its K loop ends and when it leaves (after its split-K share), one 64-byte record per CTA.
+    when its K loop ends and when it leaves (after its split-K share), one 128-byte record per CTA (the stream-K
+    kernel adds its first segment's loop end, its last ticket and sum, and its units).
 
     python benchmarks/probe_timeline.py [--json benchmarks/results/timeline.json] [--ms 1,8] [--skip-engine]
 
@@ -37,7 +38,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from qerl_cli import kernel  # noqa: E402
 
 REC = np.dtype([("tag", "<u8"), ("qw", "<u8"), ("t_entry", "<u8"), ("t_wait", "<u8"), ("t_loop", "<u8"),
-                ("t_exit", "<u8"), ("block", "<u4"), ("grid", "<u4"), ("smid", "<u4"), ("flags", "<u4")])
+                ("t_exit", "<u8"), ("block", "<u4"), ("grid", "<u4"), ("smid", "<u4"), ("flags", "<u4"),
+                ("t_loop0", "<u8"), ("t_ticket", "<u8"), ("t_sum", "<u8"), ("units0", "<u4"), ("units", "<u4"),
+                ("nseg", "<u4"), ("pad", "<u4"), ("pad2", "<u8", (3,))])
+assert REC.itemsize == 128
 SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 NAME_OF = {(n << 32) | k: name for name, (n, k) in SHAPES_7B.items()}
 
@@ -49,7 +53,7 @@ def name_of(tag: int) -> str:
 class Timeline:
     def __init__(self, ext, records: int = 1 << 20):
         self.ext = ext
-        self.buf = torch.zeros(records * 64, dtype=torch.uint8, device="cuda")
+        self.buf = torch.zeros(records * REC.itemsize, dtype=torch.uint8, device="cuda")
 
     def __enter__(self):
         torch.cuda.synchronize()
@@ -60,10 +64,10 @@ class Timeline:
         torch.cuda.synchronize()
         self.n = self.ext.timeline_count()
         self.ext.set_timeline(torch.empty(0, dtype=torch.uint8, device="cuda"))
-        cap = self.buf.numel() // 64
+        cap = self.buf.numel() // REC.itemsize
         if self.n > cap:
             print(f"probe_timeline: {self.n - cap} records dropped (buffer of {cap})", file=sys.stderr)
-        self.recs = np.frombuffer(self.buf[: min(self.n, cap) * 64].cpu().numpy().tobytes(), dtype=REC)
+        self.recs = np.frombuffer(self.buf[: min(self.n, cap) * REC.itemsize].cpu().numpy().tobytes(), dtype=REC)
         return False
 
 
@@ -101,6 +105,40 @@ def mid_sums(g: np.ndarray) -> dict:
     mid = (g["flags"] & 32) != 0
     late = g["t_loop"] >= np.quantile(g["t_loop"], 0.9)
     return {"mid_sum_blocks": int(mid.sum()), "late_mid_share": float(mid[late].mean()) if late.any() else 0.0}
+
+
+RAW: dict[str, np.ndarray] = {}  # every recorded launch set, for --raw (offline analysis)
+
+
+def stragglers(recs: np.ndarray) -> dict:
+    """Stream-K chain launches: the latest tenth of K-loop ends against the rest (medians, µs relative to each launch's
+    median K-loop end): their PDL wait and first-segment end, whether their SM's other CTA is late too, and how
+    often an SM is among the late ones in several launches (a structural cause: its GPC or memory path)."""
+    out = {"late_wait": [], "rest_wait": [], "late_loop0": [], "rest_loop0": [], "pair_late": [], "sm_hits": {}}
+    for key in np.unique(recs[["tag", "qw"]]):
+        r = recs[(recs["tag"] == key["tag"]) & (recs["qw"] == key["qw"])]
+        r = r[np.argsort(r["t_entry"])]
+        grid = int(r["grid"][0])
+        for i in range(0, len(r) - grid + 1, grid):
+            g = r[i:i + grid]
+            if not (g["flags"] >= 16).all() or (g["t_loop0"] == 0).any():
+                continue
+            med = float(np.median(g["t_loop"]))
+            late = g["t_loop"] >= np.quantile(g["t_loop"], 0.9)
+            rel = lambda f: (g[f].astype(np.float64) - med) / 1e3  # noqa: E731
+            out["late_wait"].append(float(np.median(rel("t_wait")[late])))
+            out["rest_wait"].append(float(np.median(rel("t_wait")[~late])))
+            out["late_loop0"].append(float(np.median(rel("t_loop0")[late])))
+            out["rest_loop0"].append(float(np.median(rel("t_loop0")[~late])))
+            late_sms = g["smid"][late]
+            out["pair_late"].append(float(np.mean([np.sum(late_sms == sm) > 1 for sm in late_sms])))
+            for sm in late_sms:
+                out["sm_hits"][int(sm)] = out["sm_hits"].get(int(sm), 0) + 1
+    if not out["late_wait"]:
+        return {}
+    hits = sorted(out["sm_hits"].values(), reverse=True)
+    return {k: statistics.median(v) for k, v in out.items() if k != "sm_hits"} | {
+        "launches": len(out["late_wait"]), "late_sms": len(hits), "top_sm_hits": hits[:8]}
 
 
 def phases(seq: list[dict]) -> list[dict]:
@@ -144,13 +182,15 @@ def header() -> None:
     print(f"{'':<22} {'':>9} {'':>9} | " + " ".join(f"{c[:7]:>7}" for c in COLS), flush=True)
 
 
-def chains(ext, ms: list[int], calls: int, result: dict, key: str = "chains") -> None:
+def chains(ext, ms: list[int], calls: int, result: dict, key: str = "chains", only: tuple[str, ...] = ()) -> None:
     from bench_kernel import capture_graph, random_packed
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("(a) chains of back-to-back launches, µs after the previous launch's last exit (median over launches)")
     header()
     for name, (n, k) in SHAPES_7B.items():
+        if only and name not in only:
+            continue
         qws = [random_packed(n, k, gen) for _ in range(calls)]
         gs = torch.tensor([2000.0], device="cuda")
         for m in ms:
@@ -172,9 +212,17 @@ def chains(ext, ms: list[int], calls: int, result: dict, key: str = "chains") ->
             seq = launches(tl.recs)
             rows = phases(seq)
             s = summary(rows) | {"shape": name, "m": m, "graph_us_per_call_untimed": per_call,
-                                 "timer_step_ns": granularity(tl.recs), "variant": int(ext.auto_variant(m, n, k))}
+                                 "timer_step_ns": granularity(tl.recs), "variant": int(ext.auto_variant(m, n, k)),
+                                 "stragglers": stragglers(tl.recs)}
             result.setdefault(key, []).append(s)
+            RAW[f"{key}_{name}_m{m}"] = tl.recs.copy()
             print_row(f"{name} M={m} ({per_call:.1f}/call)", s)
+            if s["stragglers"]:
+                st = s["stragglers"]
+                print(f"{'':<22} late tenth vs rest (µs from the median loop end): wait {st['late_wait']:.2f} / "
+                      f"{st['rest_wait']:.2f}, first-segment end {st['late_loop0']:.2f} / {st['rest_loop0']:.2f}; "
+                      f"SM's other CTA late too {st['pair_late']:.0%}; {st['late_sms']} SMs late over "
+                      f"{st['launches']} launches, most often {st['top_sm_hits']}", flush=True)
             del g
         qws.clear()
         gc.collect()
@@ -198,6 +246,7 @@ def engine_step(ext, batch: int, result: dict) -> None:
     with Timeline(ext) as tl:
         b = eng.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 1, set(), 0)
     seq = launches(tl.recs)
+    RAW["engine_step"] = tl.recs.copy()
     # the decode steps: every packed weight once per step; keep the last full step
     per_step = len({(d["tag"], d["qw"]) for d in seq})
     steps = len(seq) // per_step
@@ -232,6 +281,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--no-pdl-ms", default="8", help="the chains again at these M with PDL off ('' for none)")
+    ap.add_argument("--grids", default="", help="the gate/up and down chains at M = 8 again with the stream-K kernel's "
+                    "CTA count forced to each of these (comma-separated)")
+    ap.add_argument("--raw", type=Path, default=None, help="every record, per chain and for the step, to this .npz")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_timeline: needs a CUDA device", file=sys.stderr)
@@ -250,9 +302,19 @@ def main() -> int:
                 chains(ext, [int(v) for v in args.no_pdl_ms.split(",")], args.calls, result, "chains_no_pdl")
             finally:
                 ext.set_pdl(True)
+        for p in [int(v) for v in args.grids.split(",") if v]:
+            ext.set_v2_grid(p)
+            try:
+                print(f"stream-K grid forced to {p}:")
+                chains(ext, [8], args.calls, result, f"chains_grid{p}", only=("gate_up", "down"))
+            finally:
+                ext.set_v2_grid(0)
         if not args.skip_engine:
             engine_step(ext, args.batch, result)
     finally:
+        if args.raw is not None and RAW:
+            args.raw.parent.mkdir(parents=True, exist_ok=True)
+            np.savez_compressed(args.raw, **RAW)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

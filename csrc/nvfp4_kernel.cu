@@ -95,16 +95,27 @@ __device__ __forceinline__ __nv_bfloat16 out_value(float v, const __nv_bfloat16*
 
 // Timeline probe builds only (-DQERL_TIMELINE; benchmarks/probe_timeline.py builds the extension as qerl_nvfp4_tl):
 // thread 0 of every CTA of the small-M mma kernels stamps %globaltimer at entry, when its PDL wait returns, when
-// its K loop ends and when it leaves, and appends one 64-byte record to a device buffer (set_timeline). Normal
-// builds compile all of it to nothing.
+// its K loops end and when it leaves, and appends one 128-byte record to a device buffer (set_timeline). The
+// stream-K kernel also stamps its first segment's K-loop end, when its last ticket was taken and when its last
+// split-K sum ended, with its range's units. Normal builds compile all of it to nothing.
 #ifdef QERL_TIMELINE
 struct TlRecord {
   unsigned long long tag;   // (N << 32) | K
   unsigned long long qw;    // the packed weight's address (tells launches of a rotated chain apart)
   unsigned long long t_entry, t_wait, t_loop, t_exit;
   unsigned int block, grid, smid, flags;
+  unsigned long long t_loop0;   // stream-K: the first segment's K-loop end (t_loop: the last one's)
+  unsigned long long t_ticket;  // stream-K: when the last ticket this CTA took came back (0: none)
+  unsigned long long t_sum;     // stream-K: when the last split-K sum this CTA made ended (0: none)
+  unsigned int units0, units;   // stream-K: units of the first segment, of the whole range
+  unsigned int nseg, pad;
+  unsigned long long pad2[3];
 };
-static_assert(sizeof(TlRecord) == 64, "timeline record layout");
+static_assert(sizeof(TlRecord) == 128, "timeline record layout");
+struct TlExtra {
+  unsigned long long t_loop0 = 0, t_ticket = 0, t_sum = 0;
+  unsigned int units0 = 0, units = 0, nseg = 0;
+};
 __device__ TlRecord* g_tl_buf = nullptr;
 __device__ unsigned int g_tl_cap = 0;
 __device__ unsigned int g_tl_count = 0;
@@ -114,7 +125,7 @@ __device__ __forceinline__ unsigned long long tl_now() {
   return t;
 }
 __device__ __forceinline__ void tl_record(int N, int K, const void* qw, unsigned long long t0, unsigned long long tw,
-                                          unsigned long long tl, unsigned int flags) {
+                                          unsigned long long tl, unsigned int flags, const TlExtra& x) {
   if (threadIdx.x != 0 || g_tl_buf == nullptr) return;
   const unsigned long long te = tl_now();
   const unsigned int slot = atomicAdd(&g_tl_count, 1u);
@@ -132,17 +143,27 @@ __device__ __forceinline__ void tl_record(int N, int K, const void* qw, unsigned
   r.grid = gridDim.x * gridDim.y * gridDim.z;
   r.smid = smid;
   r.flags = flags;
+  r.t_loop0 = x.t_loop0;
+  r.t_ticket = x.t_ticket;
+  r.t_sum = x.t_sum;
+  r.units0 = x.units0;
+  r.units = x.units;
+  r.nseg = x.nseg;
+  r.pad = 0;
+  r.pad2[0] = r.pad2[1] = r.pad2[2] = 0;
   g_tl_buf[slot] = r;
 }
-#define QERL_TL_BEGIN unsigned long long tl_t0 = tl_now(), tl_tw = 0, tl_tl = 0;
+#define QERL_TL_BEGIN unsigned long long tl_t0 = tl_now(), tl_tw = 0, tl_tl = 0; TlExtra tl_x;
 #define QERL_TL_WAITED tl_tw = tl_now();
 #define QERL_TL_LOOPED tl_tl = tl_now();
-#define QERL_TL_END(flags) tl_record(N, K, qw, tl_t0, tl_tw, tl_tl, (flags));
+#define QERL_TL_END(flags) tl_record(N, K, qw, tl_t0, tl_tw, tl_tl, (flags), tl_x);
+#define QERL_TL_X(stmt) stmt;
 #else
 #define QERL_TL_BEGIN
 #define QERL_TL_WAITED
 #define QERL_TL_LOOPED
 #define QERL_TL_END(flags)
+#define QERL_TL_X(stmt)
 #endif
 
 // PDL prologue of the small-M kernels: L2 prefetch of a warp's first tiles of one row block (contiguous
@@ -890,6 +911,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
     }
     QERL_TL_LOOPED
+    QERL_TL_X(if (first_seg) { tl_x.t_loop0 = tl_tl; tl_x.units0 = (unsigned)(kt1 - kt0); tl_x.units = (unsigned)(u1 - u0); })
+    QERL_TL_X(tl_x.nseg += 1u)
     // the LoRA term (if any), in the segment that ends the row group's K range (one CTA's)
     if constexpr (TG <= kLoraAugMaxTG) {
       if (la.h != nullptr && kt1 == KT)
@@ -946,6 +969,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       s_last = (prev == blast - bfirst);
     }
     __syncthreads();
+    QERL_TL_X(tl_x.t_ticket = tl_now())
     if (s_last) {
       __threadfence();
       const int n0 = rg * ROWS;
@@ -970,6 +994,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       }
       if (tid == 0) counters[rg] = 0;  // ready for the next launch on this stream
 #ifdef QERL_TIMELINE
+      tl_x.t_sum = tl_now();
       tl_fixups += 1u;
       if (u < u1) tl_fixups |= 32u;  // a sum before this block's last segment
 #endif
@@ -1128,6 +1153,7 @@ static int g_fixup = [] {
 // 13.1 against 14.3; M = 16: 7B gate_up 33.8 against 35.6); M = 4 was a wash.
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
+static int64_t g_v2_grid = 0;  // > 0: the stream-K kernel's CTA count (probes; at most its units), 0: chosen per shape
 static int64_t g_last_split = 0;  // the last launch's K split, negative when reduced in a cluster (0: stream-K, v2)
 
 // Variant 3 ("auto", the default) picks the small-M kernel per shape from the H200 measurements in
@@ -1400,7 +1426,8 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   // problems: fewer, longer CTAs instead of many that are all prologue)
   constexpr int64_t kMinUnits = 2 * KCH;
   const int64_t W = (int64_t)RG * KT;
-  const int64_t P = std::max<int64_t>(1, std::min<int64_t>((int64_t)sms * occ, (W + kMinUnits - 1) / kMinUnits));
+  int64_t P = std::max<int64_t>(1, std::min<int64_t>((int64_t)sms * occ, (W + kMinUnits - 1) / kMinUnits));
+  if (g_v2_grid > 0) P = std::min<int64_t>(g_v2_grid, W);
   at::Tensor wsbuf = at::empty({2 * P * (int64_t)M * ROWS_BLOCKS * 16}, x.options().dtype(at::kFloat));
   int* counters = counters_for(x, RG);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -1602,6 +1629,10 @@ void set_split_override(int64_t s) {
   TORCH_CHECK(s >= 0, "qerl: the split override must be >= 0 (0: chosen per shape)");
   g_split_override = s;
 }
+void set_v2_grid(int64_t p) {
+  TORCH_CHECK(p >= 0, "qerl: the stream-K grid override must be >= 0 (0: chosen per shape)");
+  g_v2_grid = p;
+}
 void set_fixup(int64_t v) {
   TORCH_CHECK(v >= 0 && v <= 2, "qerl: fixup must be 0 (auto, per M), 1 (batched) or 2 (serial)");
   g_fixup = (int)v;
@@ -1616,13 +1647,13 @@ int64_t get_variant() { return g_variant; }
 int64_t get_large_m_threshold() { return g_large_m_threshold; }
 
 #ifdef QERL_TIMELINE
-// the timeline buffer (uint8 CUDA tensor, a multiple of 64 bytes; empty: off) on the current device; resets the count
+// the timeline buffer (uint8 CUDA tensor, a multiple of 128 bytes; empty: off) on the current device; resets the count
 void set_timeline(const at::Tensor& buf) {
   QERL_CHECK(buf.numel() == 0 || (buf.is_cuda() && buf.scalar_type() == at::kByte && buf.is_contiguous() &&
-                                  buf.numel() % 64 == 0),
-             "qerl: the timeline buffer must be a contiguous uint8 CUDA tensor of a multiple of 64 bytes");
+                                  buf.numel() % 128 == 0),
+             "qerl: the timeline buffer must be a contiguous uint8 CUDA tensor of a multiple of 128 bytes");
   TlRecord* p = buf.numel() ? reinterpret_cast<TlRecord*>(buf.data_ptr()) : nullptr;
-  const unsigned int cap = (unsigned int)(buf.numel() / 64), zero = 0;
+  const unsigned int cap = (unsigned int)(buf.numel() / 128), zero = 0;
   C10_CUDA_CHECK(cudaMemcpyToSymbol(g_tl_buf, &p, sizeof(p)));
   C10_CUDA_CHECK(cudaMemcpyToSymbol(g_tl_cap, &cap, sizeof(cap)));
   C10_CUDA_CHECK(cudaMemcpyToSymbol(g_tl_count, &zero, sizeof(zero)));
@@ -1658,6 +1689,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_cluster", [] { return qerl::g_cluster != 0; });
   m.def("set_cluster_max_m", &qerl::set_cluster_max_m, "largest M whose K splits may reduce in a cluster (default 32)");
   m.def("get_cluster_max_m", [] { return qerl::g_cluster_max_m; });
+  m.def("set_v2_grid", &qerl::set_v2_grid, "force the stream-K kernel's CTA count (0: chosen per shape; probes)");
   m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
   m.def("last_split", [] { return qerl::g_last_split; },
         "K split of the last small-M mma launch (v1 kernel), negative when reduced in a cluster; 0 after a stream-K "
