@@ -112,6 +112,8 @@
 #                                  every record kept (timeline_raw.npz), the gate/up and down chains again at each
 #                                  stream-K CTA count in GRIDS (default 132,198); the normal build beside the probe,
 #                                  then the engine's GPU tests (SiLU·mul in the gate/up kernel on) until T46 (560)
+#   47 [MS]                        session 21 (sm_90a code only): build, benchmarks/probe_partition.py (stream-K grid
+#                                  sizes aligned with row groups, 8 and 4 warps per CTA, against auto and cuBLAS)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -156,7 +158,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 46 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 47 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -596,6 +598,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   COLUMNS=200 timeout $(( ${T46:-560} - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     --tb=short tests/test_engine_gpu.py > "$OUT/gpu_tests_engine.log" 2>&1
   tail -n 8 "$OUT/gpu_tests_engine.log"; stamp 46 "engine GPU tests done"
+  ;;
+47)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  build; stamp 47 "build done"
+  timeout $(( 540 - $(date +%s) + t0 )) python3 benchmarks/probe_partition.py --ms "${MS:-1,8,16}" \
+    --json "$OUT/partition.json" 2>&1 | tee "$OUT/partition.log"
+  stamp 47 "partition probe done"
   ;;
 8)
   build; stamp 8 "kernels built"
