@@ -236,6 +236,10 @@ def main() -> None:
     ap.add_argument("--silu-in-kernel", action="store_true",
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: silu(gate) * up written by the gate/up kernel "
                          "(the default) against the SiLU·mul kernel after it, interleaved three times")
+    ap.add_argument("--v2-aligned", action="store_true",
+                    help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the stream-K kernels' row-group-aligned "
+                         "grids (the default) against the default grids, interleaved three times, then once each "
+                         "with a rank-32 adapter")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -281,6 +285,8 @@ def main() -> None:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.silu_in_kernel:
         silu_part(rows, save)
+    elif args.v2_aligned:
+        aligned_part(rows, save)
     elif args.decode_attn:
         attn_part(rows, save)
     elif args.decode_attn_lora:
@@ -481,6 +487,27 @@ def silu_part(rows, save) -> None:
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " silu-kernel"),
                          "batch": 8, **time_engine(big, 8, 256, 512, 152064, silu_in_kernel=on)})
             save()
+
+
+def aligned_part(rows, save) -> None:
+    """Row-group-aligned grids of the stream-K kernels (kernel.set_v2_aligned, session 21: also v2w8 for the q/k/v
+    and o weights at M <= 8) against the default grids, interleaved three times, then once each with a rank-32
+    adapter: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens. Each run captures its own decode graph."""
+    from qerl_cli import kernel
+
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        for rank in (0, 0, 0, 32):
+            for on in (True, False):
+                kernel.set_v2_aligned(on)
+                name = "ours-nvfp4" + (f" +lora{rank}" if rank else "") + ("" if on else " grid:default")
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
+                             **time_engine(big, 8, 256, 512, 152064, lora_rank=rank)})
+                save()
+    finally:
+        kernel.set_v2_aligned(True)
 
 
 def attn_lora_part(result, rows, save) -> None:

@@ -114,6 +114,10 @@
 #                                  then the engine's GPU tests (SiLU·mul in the gate/up kernel on) until T46 (560)
 #   47 [MS]                        session 21 (sm_90a code only): build, benchmarks/probe_partition.py (stream-K grid
 #                                  sizes aligned with row groups, 8 and 4 warps per CTA, against auto and cuBLAS)
+#   48 [MS]                        session 21 (sm_90a code only): build, the kernel / engine / LoRA-term GPU tests
+#                                  (row-group-aligned stream-K grids, v2w8 for 7B q/k/v and o at M <= 8), the 7B-shape
+#                                  rollouts aligned against default grids (bench_rollout.py --v2-aligned), then the
+#                                  kernel bench (7B and 32B shapes at MS, default 1,8,16) until 580 s
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -158,7 +162,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 47 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 48 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -606,6 +610,20 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 540 - $(date +%s) + t0 )) python3 benchmarks/probe_partition.py --ms "${MS:-1,8,16}" \
     --json "$OUT/partition.json" 2>&1 | tee "$OUT/partition.log"
   stamp 47 "partition probe done"
+  ;;
+48)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  build; stamp 48 "build done"
+  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_engine_gpu.py tests/test_lora_in_kernel_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 48 "GPU tests done"
+  timeout 150 python3 benchmarks/bench_rollout.py --skip-smollm2 --v2-aligned --json "$OUT/rollout_7b_aligned.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_aligned.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 48 "aligned rollouts done"
+  timeout $(( 580 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
+    --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  tail -n 40 "$OUT/bench_kernel.log"; stamp 48 "kernel bench done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -1154,6 +1154,30 @@ static int g_fixup = [] {
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_v2_grid = 0;  // > 0: the stream-K kernel's CTA count (probes; at most its units), 0: chosen per shape
+static int g_v2_aligned = 1;   // the stream-K kernel's grid aligned with its row groups where that fills the GPU
+static int64_t g_last_v2_grid = 0;  // the CTA count of the last stream-K launch (tests)
+
+// Row-group-aligned grids of the stream-K kernel (session 21, benchmarks/results/s21/, H100): the timeline probe
+// found the CTAs whose equal share of the RG * KT units crosses a row group's end late (down at M = 8: their K
+// loops end 2.6 us after the median one, up to 6.4): the first segment's partial store, fence and ticket and the
+// second segment's pipeline fill sit in the middle of their range. With RG * s CTAs, s of each row group's K
+// range apiece, no CTA crosses one (sk_begin(r * s + j) = r * KT + j * KT / s). probe_partition.py swept s at M =
+// 1, 8 and 16 against the default grid (every resident slot): 7B down 18.2 / 19.5 / 23.0 us at s = 8 (KT = 296 =
+// 8 * 37) against 22.1 / 24.3 / 29.4; o 6.9 / 8.4 / 11.2 at s = 8 against 11.7 / 13.2 / 16.9 (and against the v1
+// kernel's 8.1 / 9.8 / 10.3); q/k/v 8.2 / 9.1 / 11.8 at s = 7 against 12.4 / 13.8 / 17.0 (v1: 8.9 / 9.6 / 10.5).
+// An s that leaves K tile counts one apart measured slower (down s = 9: 21.7 us at M = 8). So: the largest
+// divisor s of KT with RG * s resident and at least 4 K tiles per CTA; where that leaves a quarter of the slots
+// empty, the largest s at all; where even that does (or RG exceeds the slots: 7B gate/up), the default grid. 0: no
+// aligned grid.
+static int aligned_splits(int64_t RG, int64_t KT, int64_t cap) {
+  if (RG < 1 || RG > cap) return 0;
+  const int smax = (int)std::min<int64_t>(cap / RG, KT / 4);
+  int s = 0;
+  for (int c = smax; c >= 1 && s == 0; --c)
+    if (KT % c == 0) s = c;
+  if (RG * s * 4 < cap * 3) s = smax;
+  return (s >= 1 && RG * s * 4 >= cap * 3) ? s : 0;
+}
 static int64_t g_last_split = 0;  // the last launch's K split, negative when reduced in a cluster (0: stream-K, v2)
 
 // Variant 3 ("auto", the default) picks the small-M kernel per shape from the H200 measurements in
@@ -1163,6 +1187,7 @@ static int64_t g_last_split = 0;  // the last launch's K split, negative when re
 constexpr int64_t kV2MinWeights = 100000000;
 constexpr int64_t kV2MinRows = 5120;  // session 5: v2 also wins on the 32B q/k/v, o and down shapes (N >= 5120)
 constexpr int64_t kV2W8MinWeights = 60000000;
+constexpr int64_t kV2AlignedMinWeights = 10000000;
 // session 6 (benchmarks/results/kernel_s6b_h200.json, with the cluster split-K): v2 with 8 warps per block is
 // the fastest at M <= 8 on every weight of >= 6e7 entries (7B gate_up 28.6 vs 31.3 us and down 21.7 vs 24.0 at
 // M = 8; 32B gate_up 49.2 vs 53.6, down 31.5 vs 33.3) and at 8 < M <= 16 on the wide ones (gate_up: 38.3 vs 41.7
@@ -1183,6 +1208,9 @@ static int auto_variant(int64_t M, int64_t N, int64_t K) {
   if (M <= 8) {
     if (N * K >= kV2W8MinWeights) return 4;
     if (N >= kV2MinRows) return N > K ? 2 : 4;
+    // session 21: with its row-group-aligned grid, v2w8 beat the v1 kernel at M = 1 and 8 on the 7B q/k/v (8.2 /
+    // 9.1 us against 8.9 / 9.6) and o (6.9 / 8.4 against 8.1 / 9.8) shapes on the H100 (at M = 16 v1 stays ahead)
+    if (g_v2_aligned && N * K >= kV2AlignedMinWeights) return 4;
     return 0;
   }
   if (M <= 16) {
@@ -1427,7 +1455,12 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   constexpr int64_t kMinUnits = 2 * KCH;
   const int64_t W = (int64_t)RG * KT;
   int64_t P = std::max<int64_t>(1, std::min<int64_t>((int64_t)sms * occ, (W + kMinUnits - 1) / kMinUnits));
+  if (TG <= 2 && g_v2_aligned) {  // M <= 16: where the sweep measured it
+    const int sa = aligned_splits(RG, KT, (int64_t)sms * occ);
+    if (sa > 0) P = (int64_t)RG * sa;
+  }
   if (g_v2_grid > 0) P = std::min<int64_t>(g_v2_grid, W);
+  g_last_v2_grid = P;
   at::Tensor wsbuf = at::empty({2 * P * (int64_t)M * ROWS_BLOCKS * 16}, x.options().dtype(at::kFloat));
   int* counters = counters_for(x, RG);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -1633,6 +1666,7 @@ void set_v2_grid(int64_t p) {
   TORCH_CHECK(p >= 0, "qerl: the stream-K grid override must be >= 0 (0: chosen per shape)");
   g_v2_grid = p;
 }
+void set_v2_aligned(bool on) { g_v2_aligned = on ? 1 : 0; }
 void set_fixup(int64_t v) {
   TORCH_CHECK(v >= 0 && v <= 2, "qerl: fixup must be 0 (auto, per M), 1 (batched) or 2 (serial)");
   g_fixup = (int)v;
@@ -1689,6 +1723,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_cluster", [] { return qerl::g_cluster != 0; });
   m.def("set_cluster_max_m", &qerl::set_cluster_max_m, "largest M whose K splits may reduce in a cluster (default 32)");
   m.def("get_cluster_max_m", [] { return qerl::g_cluster_max_m; });
+  m.def("set_v2_aligned", &qerl::set_v2_aligned,
+        "row-group-aligned grids of the stream-K kernel at M <= 16 where they fill the GPU (default on)");
+  m.def("get_v2_aligned", [] { return qerl::g_v2_aligned != 0; });
+  m.def("last_v2_grid", [] { return qerl::g_last_v2_grid; }, "CTAs of the last stream-K launch");
   m.def("set_v2_grid", &qerl::set_v2_grid, "force the stream-K kernel's CTA count (0: chosen per shape; probes)");
   m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
   m.def("last_split", [] { return qerl::g_last_split; },

@@ -321,7 +321,7 @@ def test_gpu_auto_variant_rules():
     qkv7, o7, gu7, dn7 = (4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)
     qkv32, o32, gu32, dn32 = (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)
     expect = {  # M range -> shape -> variant
-        (1, 8): {qkv7: "default", o7: "default", gu7: "v2w8", dn7: "v2w8", qkv32: "v2", o32: "v2w8", gu32: "v2w8",
+        (1, 8): {qkv7: "v2w8", o7: "v2w8", gu7: "v2w8", dn7: "v2w8", qkv32: "v2", o32: "v2w8", gu32: "v2w8",
                  dn32: "v2w8"},
         (9, 16): {qkv7: "alt", o7: "alt", gu7: "v2w8", dn7: "v2w8", qkv32: "default", o32: "alt", gu32: "v2w8",
                   dn32: "v2w8"},
@@ -332,6 +332,52 @@ def test_gpu_auto_variant_rules():
         for m in ms:
             for (n, k), name in table.items():
                 assert int(ext.auto_variant(m, n, k)) == v[name], (m, n, k, name)
+    try:  # without row-group-aligned grids, the 7B q/k/v and o weights keep the v1 kernel at M <= 8
+        kernel.set_v2_aligned(False)
+        assert [int(ext.auto_variant(8, n, k)) for n, k in (qkv7, o7, dn7)] == [v["default"], v["default"], v["v2w8"]]
+    finally:
+        kernel.set_v2_aligned(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(3584, 18944), (3584, 3584), (4608, 3584), (5120, 27648), (7168, 5120),
+                                 (2000, 4032)])
+def test_gpu_v2_aligned_grid(n, k):
+    """Row-group-aligned grids (session 21): at M <= 16 the stream-K kernels run RG * s CTAs (RG row groups of 128
+    rows for v2w8, 64 for v2) where that fills the GPU, every CTA inside one row group's K range; both grids agree
+    with the fp32 reference at every M, outputs poisoned, and off, the grid is the default one. (2000, 4032): a
+    ragged last row group and K tiles (63) that few splits divide."""
+    _need_kernel()
+    ext = kernel._load()
+    before = kernel.variant()
+    qw, gs = make_packed(n, k, device="cuda", seed=n + k)
+    try:
+        for v, rows in (("v2w8", 128), ("v2", 64)):
+            kernel.set_variant(v)
+            rg = -(-n // rows)
+            for m in (1, 3, 8, 9, 16, 17):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = ref_fp32(x, qw, gs, n, k)
+                grids = []
+                for aligned in (True, False):
+                    kernel.set_v2_aligned(aligned)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    kernel.linear(x, qw, gs, n, k, out=out)
+                    grids.append(int(ext.last_v2_grid()))
+                    torch.cuda.synchronize()
+                    assert not torch.isnan(out).any() and rel_err(out, ref) <= 1e-2, (v, m, aligned)
+                if m <= 16 and grids[0] != grids[1]:
+                    assert grids[0] % rg == 0, (v, m, grids)  # aligned: RG * s
+                if m > 16:
+                    assert grids[0] == grids[1], (v, m, grids)  # (only up to M = 16)
+            if (n, k) == (3584, 18944) and v == "v2w8":  # 7B down fills the GPU aligned (RG = 28)
+                kernel.set_v2_aligned(True)
+                kernel.linear(torch.randn(8, k, device="cuda", dtype=torch.bfloat16), qw, gs, n, k)
+                p = int(ext.last_v2_grid())
+                assert p % 28 == 0 and 4 * p >= 3 * torch.cuda.get_device_properties(0).multi_processor_count, p
+    finally:
+        kernel.set_v2_aligned(True)
+        kernel.set_variant(before)
 
 
 @pytest.mark.gpu

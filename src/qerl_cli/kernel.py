@@ -31,7 +31,8 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 
 Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (at M <= 8:
 ``"v2w8"`` for weights of >= 6e7 entries, for smaller ones of >= 5120 rows ``"v2"`` if wide (N > K) and
-``"v2w8"`` otherwise, ``"default"`` for the rest; at 8 < M <= 16: ``"v2w8"`` for weights of >= 6e7 entries,
+``"v2w8"`` otherwise, ``"v2w8"`` for those of >= 1e7 entries while row-group-aligned grids are on (session 21, H100),
+``"default"`` for the rest; at 8 < M <= 16: ``"v2w8"`` for weights of >= 6e7 entries,
 ``"default"`` for smaller wide ones of >= 5120 rows, ``"alt"`` otherwise; at 16 < M <= 64: ``"v2w8"`` for
 weights of >= 1e8 entries, ``"v2"`` for those of >= 6e7, ``"default"`` otherwise; see ``auto_variant`` in the CUDA source;
 ``ext.auto_variant(m, n, k)`` reports the choice). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in the
@@ -39,7 +40,10 @@ environment (read when the extension loads) forces one: ``"default"`` is the ori
 alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
 tile) for M <= 64, ``"v2w8"`` the same with 8
 warps per block (the activations staged once serve 128 rows).
-All read the same tile records and have the same op signatures.
+All read the same tile records and have the same op signatures. Up to M = 16 the stream-K kernels run a grid
+aligned with their row groups (RG * s CTAs, each inside one row group's K range) where that fills at least 3/4 of
+the resident CTA slots (``set_v2_aligned``, ``QERL_KERNEL_V2_ALIGNED=0`` off): CTAs that cross a row group end
+mid-range were the late ones (session 21).
 
 If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
 :func:`layout.dequantize`) and one warning line says why. Split-K launches keep a small self-resetting
@@ -164,6 +168,8 @@ def _apply_variant(ext) -> None:
         except ValueError as e:
             warnings.warn(f"qerl.kernel: ignoring QERL_KERNEL_VARIANT: {e}", RuntimeWarning, stacklevel=3)
     ext.set_variant(VARIANTS[_variant])
+    if os.environ.get("QERL_KERNEL_V2_ALIGNED", "1") == "0":
+        ext.set_v2_aligned(False)
 
 
 def _variant_name(v: str) -> str:
@@ -193,6 +199,17 @@ def set_variant(v: str) -> None:
     _variant = name
     if ext is not None:
         ext.set_variant(VARIANTS[name])
+
+
+def set_v2_aligned(on: bool) -> None:
+    """Row-group-aligned grids of the stream-K kernels at M <= 16 (default on, ``QERL_KERNEL_V2_ALIGNED=0`` off):
+    RG * s CTAs, each taking 1/s of one row group's K range, where such a grid fills at least 3/4 of the resident
+    CTA slots; off, every slot takes an equal share of all units (a CTA may cross a row group end). Also decides
+    whether auto picks ``"v2w8"`` for M <= 8 weights of 1e7 to 6e7 entries. Results differ only in the fp32 order
+    of split sums. A no-op without the CUDA extension."""
+    ext = _load()
+    if ext is not None:
+        ext.set_v2_aligned(bool(on))
 
 
 def set_pdl(on: bool) -> None:
