@@ -118,6 +118,8 @@
 #                                  (row-group-aligned stream-K grids, v2w8 for 7B q/k/v and o at M <= 8), the 7B-shape
 #                                  rollouts aligned against default grids (bench_rollout.py --v2-aligned), then the
 #                                  kernel bench (7B and 32B shapes at MS, default 1,8,16) until 580 s
+#   49                             session 21 (sm_90a code only): build, the small-M kernel GPU tests with the 10-warp
+#                                  stream-K variant (v2w10), probe_partition.py on gate/up (v2w8, v2w10) and down
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -162,7 +164,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 48 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 49 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -624,6 +626,17 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 580 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
     --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
   tail -n 40 "$OUT/bench_kernel.log"; stamp 48 "kernel bench done"
+  ;;
+49)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  build; stamp 49 "build done"
+  timeout 200 python3 benchmarks/probe_partition.py --shapes gate_up,down --variants v2w8,v2w10 --maxp 600 \
+    --json "$OUT/partition.json" 2>&1 | tee "$OUT/partition.log"
+  stamp 49 "partition probe done"
+  COLUMNS=200 timeout $(( 500 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_kernel.py -k "small_m or aligned or auto_variant or silu" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 49 "GPU tests done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -5,7 +5,7 @@ with row groups (every CTA inside one row group: no CTA crosses a row-group boun
 
 For each Qwen2.5-7B projection shape and M: the time per call of ``kernel.linear`` in a CUDA graph of back-to-back
 launches on rotating weight copies (as bench_kernel.py times them) for the automatic choice, then the stream-K
-kernel with 8 warps per CTA (128 rows per row group) and with 4 (64 rows) at grid sizes P = RG * s (RG row
+kernel with 8 warps per CTA (128 rows per row group), with 4 (64 rows) and with 10 (160 rows, M <= 16) at grid sizes P = RG * s (RG row
 groups, s splits of each row group's K range, up to MAXP CTAs) and at the default grid; cuBLAS bf16 beside them.
 Every configuration's output is compared with the automatic one's (only the fp32 order of split sums differs).
 Session 21's timeline probe (benchmarks/results/s21/) found the CTAs whose range crosses a row group end late
@@ -30,7 +30,7 @@ from bench_kernel import random_packed, time_graph  # noqa: E402
 from qerl_cli import kernel  # noqa: E402
 
 SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-VARIANTS = {"v2w8": (4, 128), "v2": (2, 64)}  # set_variant code, rows per row group
+VARIANTS = {"v2w8": (4, 128), "v2": (2, 64), "v2w10": (5, 160)}  # set_variant code, rows per row group
 
 
 def main() -> int:
@@ -38,6 +38,8 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--calls", type=int, default=12)
     ap.add_argument("--maxp", type=int, default=800)
+    ap.add_argument("--shapes", default=",".join(SHAPES_7B), help="of " + ",".join(SHAPES_7B))
+    ap.add_argument("--variants", default="v2w8,v2", help="of " + ",".join(VARIANTS))
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "partition.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -50,7 +52,8 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "rows": []}
     try:
-        for name, (n, k) in SHAPES_7B.items():
+        for name in args.shapes.split(","):
+            n, k = SHAPES_7B[name]
             qws = [random_packed(n, k, gen) for _ in range(args.calls)]
             wbf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
             gs = torch.tensor([2000.0], device="cuda")
@@ -70,7 +73,8 @@ def main() -> int:
                 ref = outs[0].float().clone()
                 best = (t_auto, "auto", 0)
                 line = [f"auto {t_auto * 1e6:6.1f}"]
-                for vname, (code, rows) in VARIANTS.items():
+                for vname in args.variants.split(","):
+                    code, rows = VARIANTS[vname]
                     rg = -(-n // rows)
                     grids = [0] + [rg * s for s in range(1, args.maxp // rg + 1)]
                     for p in grids:

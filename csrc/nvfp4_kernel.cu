@@ -1095,7 +1095,9 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
   X(1, 1, 4, 8, 2, 2, 8)          \
   X(2, 1, 4, 8, 2, 2, 8)          \
   X(4, 1, 4, 8, 1, 2, 8)          \
-  X(8, 1, 2, 4, 1, 2, 8)
+  X(8, 1, 2, 4, 1, 2, 8)          \
+  X(1, 1, 4, 8, 2, 2, 10)         \
+  X(2, 1, 4, 8, 2, 2, 10)
 
 #ifdef QERL_NO_TORCH
 // explicit instances for a stand-alone `nvcc -Xptxas -v` resource report
@@ -1117,6 +1119,8 @@ QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 8)
 QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 8)
 QERL_V2_PAIR_INSTANCE(4, 1, 4, 8, 1, 2, 8)
 QERL_V2_PAIR_INSTANCE(8, 1, 2, 4, 1, 2, 8)
+QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 10)
+QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 10)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
 template __global__ void nvfp4_dequant_kernel<float>(const uint8_t*, const float*, float*, int, int, int, int);
@@ -1476,6 +1480,7 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
 static int resolved_variant(int64_t M, int64_t n, int64_t k) {
   const int v = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
   if ((v == 2 || v == 4) && M <= kSliceTokens) return v;
+  if (v == 5 && M <= kSliceTokens) return M <= 16 ? 5 : 4;  // (10 warps: instances for M <= 16 only)
   return v == 1 ? 1 : 0;
 }
 
@@ -1489,6 +1494,9 @@ static void run_mma(const at::Tensor& xc, const at::Tensor& qw, const at::Tensor
     else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
     else if (Mi <= 32) launch_mma_v2<4, 1, 4, 8, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
     else launch_mma_v2<8, 1, 2, 4, 1, 3, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+  } else if (variant == 5) {  // v2 with 10 warps per block (160 rows): M <= 16 (resolved_variant)
+    if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 10>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
+    else launch_mma_v2<2, 1, 4, 8, 2, 2, 10>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
   } else if (variant == 4) {  // v2 with 8 warps per block: the staged activations serve 128 rows
     if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
     else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
@@ -1574,7 +1582,11 @@ bool linear_silu_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   c10::cuda::CUDAGuard guard(qw.device());
   const at::Tensor xc = aligned_contiguous(x);
   const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
-  if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
+  // the warps per block linear_out would run for this weight: 10 where it resolves to that variant, else 8
+  const bool w10 = resolved_variant(M, n, k) == 5;
+  if (Mi <= 8 && w10) launch_mma_v2<1, 1, 4, 8, 2, 2, 10, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
+  else if (Mi <= 16 && w10) launch_mma_v2<2, 1, 4, 8, 2, 2, 10, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
+  else if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
   else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
   else if (Mi <= 32) launch_mma_v2<4, 1, 4, 8, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
   else launch_mma_v2<8, 1, 2, 4, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
@@ -1672,9 +1684,9 @@ void set_fixup(int64_t v) {
   g_fixup = (int)v;
 }
 void set_variant(int64_t v) {
-  TORCH_CHECK(v >= 0 && v <= 4,
-              "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2), 3 (auto, per shape) or 4 "
-              "(v2 with 8 warps per block)");
+  TORCH_CHECK(v >= 0 && v <= 5,
+              "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2), 3 (auto, per shape), 4 "
+              "(v2 with 8 warps per block) or 5 (v2 with 10 warps per block up to M = 16)");
   g_variant = (int)v;
 }
 int64_t get_variant() { return g_variant; }

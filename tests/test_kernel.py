@@ -246,7 +246,7 @@ def _check_linear(n, k, ms, kind="randn", seed=0, paths=(None,), tol=1e-2):
             assert e <= tol, f"rel err {e:.2e} at n={n} k={k} m={m} path={path}"
 
 
-@pytest.fixture(params=["auto", "default", "alt", "v2", "v2w8"])
+@pytest.fixture(params=["auto", "default", "alt", "v2", "v2w8", "v2w10"])
 def small_m_variant(request):
     """Run a small-M test once per kernel variant; restores the previous variant."""
     _need_kernel()

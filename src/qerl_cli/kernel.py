@@ -70,7 +70,7 @@ BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
 
-VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4}
+VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4, "v2w10": 5}
 LORA_MAX_ROWS = 64  # linear_lora's most rows (kLoraAugMaxTG token groups of 8 in csrc/nvfp4_kernel.cu)
 
 _DEFAULT_ARCH_FLAGS = (
