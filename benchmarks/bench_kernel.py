@@ -190,8 +190,8 @@ def main() -> int:
 
                 if m <= 64:  # every forced small-M variant side by side: alternative configuration, v2, default
                     for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0),
-                                      ("v2w8_us", 4)):
-                        if code == ours_code or (code in (2, 4) and m > 16):  # (v2 exists for M <= 16 only)
+                                      ("v2w8_us", 4), ("v2w10_us", 5)):
+                        if code == ours_code or (code in (2, 4, 5) and m > 16):  # (forced up to M = 16 here)
                             continue
                         ext.set_variant(code)
                         if key == "v2_us":  # correctness of v2 on the same poisoned-output check
@@ -231,6 +231,7 @@ def main() -> int:
                 alt += f"  alt {row['alt_variant_us']:6.1f}" if "alt_variant_us" in row else ""
                 alt += f"  dflt {row['default_variant_us']:6.1f}" if "default_variant_us" in row else ""
                 alt += f"  v2w8 {row['v2w8_us']:6.1f}" if "v2w8_us" in row else ""
+                alt += f"  v2w10 {row['v2w10_us']:6.1f}" if "v2w10_us" in row else ""
                 if "alt_nocluster_us" in row:
                     alt += (f"  no-cluster alt {row['alt_nocluster_us']:6.1f} (S {row['alt_nocluster_split']} vs "
                             f"{row['alt_split']}) dflt {row['default_nocluster_us']:6.1f} (S "

@@ -120,6 +120,9 @@
 #                                  kernel bench (7B and 32B shapes at MS, default 1,8,16) until 580 s
 #   49                             session 21 (sm_90a code only): build, the small-M kernel GPU tests with the 10-warp
 #                                  stream-K variant (v2w10), probe_partition.py on gate/up (v2w8, v2w10) and down
+#   50                             session 21 (sm_90a code only): build, every GPU test file, the 7B-shape rollouts
+#                                  with session 21's grids (aligned, v2w10 gate/up) against the default grids
+#                                  (bench_rollout.py --v2-aligned), the kernel bench (7B and 32B, M = 1, 8, 16)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -164,7 +167,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 49 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 50 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -637,6 +640,21 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   COLUMNS=200 timeout $(( 500 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
     tests/test_kernel.py -k "small_m or aligned or auto_variant or silu" > "$OUT/gpu_tests.log" 2>&1
   tail -n 12 "$OUT/gpu_tests.log"; stamp 49 "GPU tests done"
+  ;;
+50)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  build; stamp 50 "build done"
+  COLUMNS=200 timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_engine_gpu.py tests/test_lora_in_kernel_gpu.py tests/test_fused_gpu.py tests/test_train_gpu.py \
+    tests/test_calibrate_gpu.py tests/test_decode_attn_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 50 "GPU tests done"
+  timeout 150 python3 benchmarks/bench_rollout.py --skip-smollm2 --v2-aligned --json "$OUT/rollout_7b_aligned.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_aligned.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 50 "rollouts done"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
+    --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  tail -n 28 "$OUT/bench_kernel.log"; stamp 50 "kernel bench done"
   ;;
 8)
   build; stamp 8 "kernels built"

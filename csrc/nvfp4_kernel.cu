@@ -1477,8 +1477,33 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
 
 // the small-M kernel linear_out runs for bf16 x of M rows on the mma path: 0 / 1 the two configurations of
 // nvfp4_mma_kernel, 2 / 4 the stream-K kernel with 4 / 8 warps per block (M <= 64; larger M as 0)
+// Wide weights whose 128-row groups outnumber the resident CTA slots get no aligned grid with 8 warps per CTA
+// (7B gate/up: 296 row groups, 264 slots on 132 SMs); with 10 warps (160-row groups: 237) they do. Session 21 on
+// the H100 (benchmarks/results/s21/part49_partition_h100.log), 7B gate/up at M = 1 / 8 / 16: 30.3 / 31.7 / 34.4 us
+// against 33.1 / 34.5 / 38.0 for v2w8 (stream-K grid). Down keeps v2w8 (its aligned 224-CTA grid: 18.3 / 19.5 /
+// 23.1 us against 18.7 / 21.0 / 26.8 for the best 10-warp grid). Only while aligned grids are on, M <= 16.
+template <int TG>
+static bool w10_aligns(int64_t M, int64_t n, int64_t k) {
+  if (!g_v2_aligned || M > 8 * TG) return false;
+  const int dev = c10::cuda::current_device();
+  const int64_t NT = (n + 15) / 16, KT = (k + 63) / 64;
+  const size_t smem = (size_t)2 * std::min<int64_t>(8 * TG, M + 1) * (8 * 64 + 8) * sizeof(__nv_bfloat16);
+  const int64_t cap8 = (int64_t)num_sms(dev) *
+                       resident_ctas(nvfp4_mma_v2_kernel<TG, 1, 4, 8, 2, 2, 8>, 8 * 32, smem, dev);
+  const int64_t cap10 = (int64_t)num_sms(dev) *
+                        resident_ctas(nvfp4_mma_v2_kernel<TG, 1, 4, 8, 2, 2, 10>, 10 * 32, smem, dev);
+  return aligned_splits((NT + 7) / 8, KT, cap8) == 0 && aligned_splits((NT + 9) / 10, KT, cap10) > 0;
+}
+
+// auto_variant with the 10-warp refinement (needs the device: occupancy and SM count)
+static int auto_choice(int64_t M, int64_t n, int64_t k) {
+  const int v = auto_variant(M, n, k);
+  if (v != 4 || M > 16) return v;
+  return (M <= 8 ? w10_aligns<1>(M, n, k) : w10_aligns<2>(M, n, k)) ? 5 : 4;
+}
+
 static int resolved_variant(int64_t M, int64_t n, int64_t k) {
-  const int v = g_variant == 3 ? auto_variant(M, n, k) : g_variant;
+  const int v = g_variant == 3 ? auto_choice(M, n, k) : g_variant;
   if ((v == 2 || v == 4) && M <= kSliceTokens) return v;
   if (v == 5 && M <= kSliceTokens) return M <= 16 ? 5 : 4;  // (10 warps: instances for M <= 16 only)
   return v == 1 ? 1 : 0;
@@ -1753,7 +1778,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 64, 3 auto (per shape), "
         "4 v2 with 8 warps per block");
   m.def("get_variant", &qerl::get_variant);
-  m.def("auto_variant", [](int64_t m, int64_t n, int64_t k) { return (int64_t)qerl::auto_variant(m, n, k); },
+  m.def("auto_variant", [](int64_t m, int64_t n, int64_t k) { return (int64_t)qerl::auto_choice(m, n, k); },
         "the small-M variant auto picks for x of m rows and an [n, k] weight (the set_variant codes)");
   m.def("set_fixup", &qerl::set_fixup,
         "stream-K fixup of the v2 kernel: 0 auto (per M), 1 batched (4 elements x 8 slots in flight), 2 serial");

@@ -42,6 +42,7 @@ CHILD = textwrap.dedent(r"""
         "set_fixup": lambda: ext.set_fixup(7),
         "set_cluster_max_m": lambda: ext.set_cluster_max_m(-1),
         "set_split_override": lambda: ext.set_split_override(-1),
+        "set_v2_grid": lambda: ext.set_v2_grid(-1),
         "add_rmsnorm dtype": lambda: fx.add_rmsnorm(x.float(), None, torch.ones(k, **bf), 1, x.float(), x.float(), 1e-5),
         "silu_mul shapes": lambda: fx.silu_mul(x, x[:2], torch.empty_like(x)),
         "rope_kv shapes": lambda: fx.rope_kv(torch.randn(2, 5 * 16, **bf), torch.randn(2, 16, **bf),
@@ -82,5 +83,5 @@ def test_bad_arguments_raise_runtime_errors_without_crashing():
     raised = {ln[1]: ln[2] for ln in lines if ln[0] == "raised"}
     missing = [ln[1] for ln in lines if ln[0] == "no error"]
     assert not missing, f"no error raised for {missing}"
-    assert len(raised) == 14 and all(msg.startswith("qerl") for msg in raised.values()), raised
+    assert len(raised) == 15 and all(msg.startswith("qerl") for msg in raised.values()), raised
     assert lines[-1] == ["alive", "True"], lines[-1]

@@ -320,10 +320,13 @@ def test_gpu_auto_variant_rules():
     v = kernel.VARIANTS
     qkv7, o7, gu7, dn7 = (4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)
     qkv32, o32, gu32, dn32 = (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)
+    # 7B gate/up: 296 row groups of 128 rows outnumber the 2 * SMs resident CTAs on 132 SMs (H100, H200): v2w10's
+    # 237 groups of 160 align (32B gate/up: 346 of them do not either)
+    gu7_small = "v2w10" if 2 * torch.cuda.get_device_properties(0).multi_processor_count < 296 else "v2w8"
     expect = {  # M range -> shape -> variant
-        (1, 8): {qkv7: "v2w8", o7: "v2w8", gu7: "v2w8", dn7: "v2w8", qkv32: "v2", o32: "v2w8", gu32: "v2w8",
+        (1, 8): {qkv7: "v2w8", o7: "v2w8", gu7: gu7_small, dn7: "v2w8", qkv32: "v2", o32: "v2w8", gu32: "v2w8",
                  dn32: "v2w8"},
-        (9, 16): {qkv7: "alt", o7: "alt", gu7: "v2w8", dn7: "v2w8", qkv32: "default", o32: "alt", gu32: "v2w8",
+        (9, 16): {qkv7: "alt", o7: "alt", gu7: gu7_small, dn7: "v2w8", qkv32: "default", o32: "alt", gu32: "v2w8",
                   dn32: "v2w8"},
         (17, 32, 33, 64): {qkv7: "default", o7: "default", gu7: "v2w8", dn7: "v2", qkv32: "default",
                            o32: "default", gu32: "v2w8", dn32: "v2w8"},
@@ -334,7 +337,8 @@ def test_gpu_auto_variant_rules():
                 assert int(ext.auto_variant(m, n, k)) == v[name], (m, n, k, name)
     try:  # without row-group-aligned grids, the 7B q/k/v and o weights keep the v1 kernel at M <= 8
         kernel.set_v2_aligned(False)
-        assert [int(ext.auto_variant(8, n, k)) for n, k in (qkv7, o7, dn7)] == [v["default"], v["default"], v["v2w8"]]
+        assert [int(ext.auto_variant(8, n, k)) for n, k in (qkv7, o7, gu7, dn7)] == [v["default"], v["default"],
+                                                                                   v["v2w8"], v["v2w8"]]
     finally:
         kernel.set_v2_aligned(True)
 
@@ -439,8 +443,8 @@ def test_gpu_v2_fixups_bit_identical(n, k):
 @pytest.mark.parametrize("n,k", [(37888, 3584), (3072, 576), (512, 256), (64, 4096), (55296, 5120)])
 def test_gpu_linear_silu_equals_product_then_silu_mul(n, k):
     """Pair mode (kernel.linear_silu, a fused gate/up weight: gate rows first): silu(gate) * up from one launch is
-    bit-identical to the v2w8 product of the block-interleaved weight (gate block j, up block j, ...: the same
-    stream-K split) rounded to bf16, then qerl_fused's silu_mul; within bf16 rounding of the plain weight's route
+    bit-identical to the v2w8 (or v2w10) product of the block-interleaved weight (gate block j, up block j, ...: the
+    same stream-K split) rounded to bf16, then qerl_fused's silu_mul; within bf16 rounding of the plain weight's route
     (rows cut between blocks are summed in another order). Every M up to 64 (output poisoned: every element
     written), row groups cut between CTAs (the fixup) and whole ones, one CUDA graph replay. Where linear would
     not run the small-M kernel (choose_path), linear_silu declines."""
@@ -455,27 +459,28 @@ def test_gpu_linear_silu_equals_product_then_silu_mul(n, k):
     perm = torch.stack([torch.arange(nt // 2), torch.arange(nt // 2) + nt // 2], 1).reshape(-1).to("cuda")
     qwi = qw[perm].contiguous()  # block-interleaved: record rows 2j = gate block j, 2j + 1 = up block j
     try:
-        kernel.set_variant("v2w8")
-        for m in (1, 2, 3, 8, 9, 13, 16, 17, 32, 33, 40, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            yi = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            assert int(ext.linear_out(x, qwi, kernel._gs(gs), n, k, yi, 0, None)) == 0
-            halves = yi.view(m, nt // 2, 2, 16)
-            expect = fused.silu_mul(halves[:, :, 0].reshape(m, n // 2), halves[:, :, 1].reshape(m, n // 2))
-            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            assert int(ext.linear_out(x, qw, kernel._gs(gs), n, k, y, 0, None)) == 0
-            plain = fused.silu_mul(y[:, : n // 2], y[:, n // 2:])
-            out = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
-            assert ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)
-            torch.cuda.synchronize()
-            assert not torch.isnan(expect).any() and torch.equal(out, expect), (n, k, m)
-            assert rel_err(out, plain) <= 1e-2, (n, k, m)
-            with torch.no_grad():
-                got = kernel.linear_silu(x, qw, gs, n, k)
-            if ext.choose_path(m, n, k) == 0:
-                assert got is not None and torch.equal(got, expect), (n, k, m)
-            else:
-                assert got is None, (n, k, m)
+        for variant in ("v2w8", "v2w10"):  # (v2w10 runs the 8-warp instances above M = 16, in both routes)
+            kernel.set_variant(variant)
+            for m in (1, 2, 3, 8, 9, 13, 16, 17, 32, 33, 40, 64):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                yi = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                assert int(ext.linear_out(x, qwi, kernel._gs(gs), n, k, yi, 0, None)) == 0
+                halves = yi.view(m, nt // 2, 2, 16)
+                expect = fused.silu_mul(halves[:, :, 0].reshape(m, n // 2), halves[:, :, 1].reshape(m, n // 2))
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                assert int(ext.linear_out(x, qw, kernel._gs(gs), n, k, y, 0, None)) == 0
+                plain = fused.silu_mul(y[:, : n // 2], y[:, n // 2:])
+                out = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+                assert ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)
+                torch.cuda.synchronize()
+                assert not torch.isnan(expect).any() and torch.equal(out, expect), (n, k, m)
+                assert rel_err(out, plain) <= 1e-2, (n, k, m)
+                with torch.no_grad():
+                    got = kernel.linear_silu(x, qw, gs, n, k)
+                if ext.choose_path(m, n, k) == 0:
+                    assert got is not None and torch.equal(got, expect), (n, k, m)
+                else:
+                    assert got is None, (n, k, m)
         g = torch.cuda.CUDAGraph()
         x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
         out = torch.full((8, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)

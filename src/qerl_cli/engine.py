@@ -506,7 +506,7 @@ class Engine:
         # QERL_ENGINE_LORA_IN_KERNEL=0 (or False) keeps the separate expand kernels
         self.lora_in_kernel = os.environ.get("QERL_ENGINE_LORA_IN_KERNEL", "1") != "0"
         # with the fused kernels on, a packed gate/up group without LoRA terms whose product the stream-K kernel
-        # (v2w8) runs writes silu(gate) * up itself (kernel.linear_silu; rows the stream-K split cuts between blocks
+        # (v2w8 or v2w10) runs writes silu(gate) * up itself (kernel.linear_silu; rows the stream-K split cuts between blocks
         # are summed in another fp32 order): the SiLU·mul kernel and the [M, 2I] intermediate go.
         # QERL_ENGINE_SILU_IN_KERNEL=0 (or False) keeps the two kernels
         self.silu_in_kernel = os.environ.get("QERL_ENGINE_SILU_IN_KERNEL", "1") != "0"

@@ -32,14 +32,16 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (at M <= 8:
 ``"v2w8"`` for weights of >= 6e7 entries, for smaller ones of >= 5120 rows ``"v2"`` if wide (N > K) and
 ``"v2w8"`` otherwise, ``"v2w8"`` for those of >= 1e7 entries while row-group-aligned grids are on (session 21, H100),
-``"default"`` for the rest; at 8 < M <= 16: ``"v2w8"`` for weights of >= 6e7 entries,
+``"default"`` for the rest; up to M = 16, ``"v2w10"`` instead of ``"v2w8"`` where only 160-row groups align with
+the resident CTA slots, e.g. the 7B gate/up weight; at 8 < M <= 16: ``"v2w8"`` for weights of >= 6e7 entries,
 ``"default"`` for smaller wide ones of >= 5120 rows, ``"alt"`` otherwise; at 16 < M <= 64: ``"v2w8"`` for
 weights of >= 1e8 entries, ``"v2"`` for those of >= 6e7, ``"default"`` otherwise; see ``auto_variant`` in the CUDA source;
 ``ext.auto_variant(m, n, k)`` reports the choice). ``set_variant(name)`` or ``QERL_KERNEL_VARIANT=name`` in the
 environment (read when the extension loads) forces one: ``"default"`` is the original kernel, ``"alt"`` its
 alternative tuning configuration, ``"v2"`` the stream-K kernel (equal work per CTA, fewer instructions per
 tile) for M <= 64, ``"v2w8"`` the same with 8
-warps per block (the activations staged once serve 128 rows).
+warps per block (the activations staged once serve 128 rows), ``"v2w10"`` with 10 (160 rows; up to M = 16, above
+it runs ``"v2w8"``).
 All read the same tile records and have the same op signatures. Up to M = 16 the stream-K kernels run a grid
 aligned with their row groups (RG * s CTAs, each inside one row group's K range) where that fills at least 3/4 of
 the resident CTA slots (``set_v2_aligned``, ``QERL_KERNEL_V2_ALIGNED=0`` off): CTAs that cross a row group end
@@ -180,7 +182,7 @@ def _variant_name(v: str) -> str:
 
 
 def variant() -> str:
-    """The small-M kernel variant in use: "auto" (per shape), "default", "alt", "v2" or "v2w8"."""
+    """The small-M kernel variant in use: "auto" (per shape), "default", "alt", "v2", "v2w8" or "v2w10"."""
     ext = _load()
     if ext is None:
         return _variant
@@ -189,7 +191,7 @@ def variant() -> str:
 
 
 def set_variant(v: str) -> None:
-    """Select the small-M kernel variant ("auto", "default", "alt", "v2" or "v2w8"), process-wide.
+    """Select the small-M kernel variant ("auto", "default", "alt", "v2", "v2w8" or "v2w10"), process-wide.
 
     Without a CUDA extension this only records the choice (the torch reference ignores it). Overrides
     ``QERL_KERNEL_VARIANT``."""
@@ -516,10 +518,10 @@ def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
     ``n / 2``) and bf16 CUDA ``x [M, k]``: ``[M, n / 2]`` from one launch of the stream-K kernel in pair mode
     (its row groups hold gate block j and up block j side by side and write the SwiGLU activation instead of the
     product): ``fused.silu_mul`` on the halves of ``linear(x, ...)`` up to the fp32 summation order of the rows
-    the stream-K split cuts between blocks (bit-identical to the route through the v2w8 product of the
+    the stream-K split cuts between blocks (bit-identical to the route through the v2w8 or v2w10 product of the
     block-interleaved weight, whose split it shares) — one launch and the ``[M, n]`` intermediate fewer per
     decode step. None, with nothing computed, where it would not be the kernel
-    ``linear`` runs there (no-grad only; CPU, no extension, a variant other than ``v2w8`` chosen or forced for
+    ``linear`` runs there (no-grad only; CPU, no extension, a variant other than ``v2w8`` / ``v2w10`` chosen or forced for
     the shape, the dequantize path, more than 64 rows, ``n`` not a multiple of 32): the caller then takes the
     two-kernel route."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16) or torch.is_grad_enabled():
@@ -529,7 +531,8 @@ def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
     if ext is None or not 1 <= m <= 64 or n % 32 != 0 or ext.choose_path(int(m), int(n), int(k)) != 0:
         return None
     code = int(ext.get_variant())
-    if (int(ext.auto_variant(int(m), int(n), int(k))) if code == VARIANTS["auto"] else code) != VARIANTS["v2w8"]:
+    code = int(ext.auto_variant(int(m), int(n), int(k))) if code == VARIANTS["auto"] else code
+    if code not in (VARIANTS["v2w8"], VARIANTS["v2w10"]):  # (the pair mode has 8- and 10-warp instances)
         return None
     _check_packed(qweight, global_scale, n, k)
     _check_act(x, k, "x", qweight)
