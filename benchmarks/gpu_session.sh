@@ -123,6 +123,9 @@
 #   50                             session 21 (sm_90a code only): build, every GPU test file, the 7B-shape rollouts
 #                                  with session 21's grids (aligned, v2w10 gate/up) against the default grids
 #                                  (bench_rollout.py --v2-aligned), the kernel bench (7B and 32B, M = 1, 8, 16)
+#   51                             session 21 (sm_90a code only): both builds (normal and timeline probe) side by
+#                                  side, the LoRA-term GPU tests (v2w10 among the variants) and the kernel's auto /
+#                                  aligned / pair-mode ones, then the timeline probe at M = 8 (chains, 7B decode step)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -167,7 +170,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 50 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 51 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -655,6 +658,19 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
     --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
   tail -n 28 "$OUT/bench_kernel.log"; stamp 50 "kernel bench done"
+  ;;
+51)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  QERL_KERNEL_TIMELINE=1 python3 -c "from qerl_cli import kernel; print('timeline build:', kernel.available(), \
+    kernel.build_error())" > "$OUT/build_timeline.log" 2>&1 &
+  build; wait; cat "$OUT/build_timeline.log"; stamp 51 "both builds done"
+  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
+    tests/test_kernel.py -k "lora or silu or auto_variant or aligned" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 8 "$OUT/gpu_tests.log"; stamp 51 "GPU tests done"
+  timeout $(( 500 - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms 8 --no-pdl-ms "" \
+    --raw "$OUT/timeline_raw.npz" --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
+  stamp 51 "timeline probe done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -69,10 +69,10 @@ def settings():
     ((3584, 512, 512), (32, 0, 32), 3584),   # q and v only: k's columns have no rank rows
     ((512,), (64,), 1024),                  # one linear (o), rank 64
     ((1000,), (16,), 1008),                 # rows past n in the last 16-row block, K past a 64-tile
-    ((18944, 18944), (32, 32), 3584),        # Qwen2.5-7B's gate/up (auto: v2w8)
+    ((18944, 18944), (32, 32), 3584),        # Qwen2.5-7B's gate/up (auto: v2w10 to M = 16 on 132 SMs, v2w8)
     ((3584,), (32,), 18944),                # Qwen2.5-7B's down
 ])
-@pytest.mark.parametrize("variant", ["default", "alt", "v2", "v2w8"])
+@pytest.mark.parametrize("variant", ["default", "alt", "v2", "v2w8", "v2w10"])
 def test_linear_lora_against_fp32(sizes, ranks, k, variant, settings):
     """The output of ``linear_lora`` (poisoned before each call) is ``x W^T + hs @ bs (+ bias)`` within its two
     roundings, at M = 1 ... 64 (hs fp32 or bf16; above M = 32 only the weights the mma kernels take), for every
@@ -149,8 +149,8 @@ def test_linear_lora_declines_without_launching(settings):
     """Where no small-M kernel runs the product or the term is outside what it takes, ``linear_lora`` returns
     None and leaves the output untouched: the dequantize path (the large-M threshold lowered under M), more than 64
     rows, rank rows that are not whole 16-row steps, a member boundary inside a 16-row block; ``takes_lora``
-    agrees on the first two, and says yes for auto's stream-K choice (the 7B gate/up at M = 8; the term runs in
-    the stream-K kernels in test_linear_lora_against_fp32). An hs at an odd element offset (fp32 at M = 8, bf16
+    agrees on the first two, and says yes for auto's stream-K choice (the 7B gate/up at M = 8: v2w8, or v2w10 since
+    session 21; the term runs in the stream-K kernels in test_linear_lora_against_fp32). An hs at an odd element offset (fp32 at M = 8, bf16
     at M = 17: the host copies it to an aligned tensor) gives the aligned one's bits."""
     ext = settings
     n, k = 384, 256
@@ -166,7 +166,8 @@ def test_linear_lora_declines_without_launching(settings):
 
     kernel.set_variant("auto")
     assert kernel.takes_lora(8, n, k) and not declined(x8, hs, bs, segs)
-    assert ext.auto_variant(8, 37888, 3584) == kernel.VARIANTS["v2w8"] and kernel.takes_lora(8, 37888, 3584)
+    stream_k = (kernel.VARIANTS["v2w8"], kernel.VARIANTS["v2w10"])  # (v2w10 where its 160-row groups align)
+    assert ext.auto_variant(8, 37888, 3584) in stream_k and kernel.takes_lora(8, 37888, 3584)
     kernel.set_large_m_threshold(4)
     assert not kernel.takes_lora(8, n, k) and declined(x8, hs, bs, segs)
     kernel.set_large_m_threshold(64)
