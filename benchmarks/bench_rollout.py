@@ -240,6 +240,10 @@ def main() -> None:
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the stream-K kernels' row-group-aligned "
                          "grids (the default) against the default grids, interleaved three times, then once each "
                          "with a rank-32 adapter")
+    ap.add_argument("--v2-cluster", action="store_true",
+                    help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the aligned grids' split-K sums through "
+                         "thread-block clusters against the workspace, interleaved twice, then once each with a "
+                         "rank-32 adapter")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -287,6 +291,8 @@ def main() -> None:
         silu_part(rows, save)
     elif args.v2_aligned:
         aligned_part(rows, save)
+    elif args.v2_cluster:
+        aligned_part(rows, save, cluster=True)
     elif args.decode_attn:
         attn_part(rows, save)
     elif args.decode_attn_lora:
@@ -489,25 +495,30 @@ def silu_part(rows, save) -> None:
             save()
 
 
-def aligned_part(rows, save) -> None:
+def aligned_part(rows, save, cluster: bool = False) -> None:
     """Row-group-aligned grids of the stream-K kernels (kernel.set_v2_aligned, session 21: also v2w8 for the q/k/v
     and o weights at M <= 8) against the default grids, interleaved three times, then once each with a rank-32
-    adapter: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens. Each run captures its own decode graph."""
+    adapter: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens. Each run captures its own decode graph. ``cluster``:
+    instead, the aligned grids' split-K sums through thread-block clusters (kernel.set_v2_cluster) against the
+    workspace, interleaved twice, then once each with the adapter."""
     from qerl_cli import kernel
 
     big = pack_model_inplace(random_model(qwen7b_config()))
     gc.collect()
     torch.cuda.empty_cache()
+    toggle = kernel.set_v2_cluster if cluster else kernel.set_v2_aligned
     try:
-        for rank in (0, 0, 0, 32):
+        for rank in (0, 0, 32) if cluster else (0, 0, 0, 32):
             for on in (True, False):
-                kernel.set_v2_aligned(on)
-                name = "ours-nvfp4" + (f" +lora{rank}" if rank else "") + ("" if on else " grid:default")
+                toggle(on)
+                off_name = " sums:workspace" if cluster else " grid:default"
+                name = "ours-nvfp4" + (f" +lora{rank}" if rank else "") + ("" if on else off_name)
                 rows.append({"model": "Qwen2.5-7B-shape", "engine": name, "batch": 8,
                              **time_engine(big, 8, 256, 512, 152064, lora_rank=rank)})
                 save()
     finally:
         kernel.set_v2_aligned(True)
+        kernel.set_v2_cluster(False)
 
 
 def attn_lora_part(result, rows, save) -> None:

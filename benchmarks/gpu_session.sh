@@ -126,6 +126,9 @@
 #   51                             session 21 (sm_90a code only): both builds (normal and timeline probe) side by
 #                                  side, the LoRA-term GPU tests (v2w10 among the variants) and the kernel's auto /
 #                                  aligned / pair-mode ones, then the timeline probe at M = 8 (chains, 7B decode step)
+#   52                             session 21 (sm_90a code only): build, the GPU tests of the aligned grids' split-K
+#                                  sums through thread-block clusters (set_v2_cluster), probe_partition --cluster-ab
+#                                  (q/k/v, o, down at M = 1, 8, 16), the 7B-shape rollouts clusters against workspace
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -170,7 +173,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 51 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 52 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -671,6 +674,20 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 500 - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms 8 --no-pdl-ms "" \
     --raw "$OUT/timeline_raw.npz" --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
   stamp 51 "timeline probe done"
+  ;;
+52)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  build; stamp 52 "build done"
+  COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_lora_in_kernel_gpu.py -k "cluster_sums or aligned or auto_variant" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 8 "$OUT/gpu_tests.log"; stamp 52 "GPU tests done"
+  timeout 60 python3 benchmarks/probe_partition.py --shapes qkv,o,down --cluster-ab --json "$OUT/cluster_ab.json" 2>&1 \
+    | tee "$OUT/cluster_ab.log"
+  stamp 52 "cluster A/B done"
+  timeout $(( 270 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --v2-cluster \
+    --json "$OUT/rollout_7b_cluster.json" 2>&1 | tee "$OUT/bench_rollout_7b_cluster.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 52 "rollouts done"
   ;;
 8)
   build; stamp 8 "kernels built"

@@ -33,6 +33,27 @@ SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "
 VARIANTS = {"v2w8": (4, 128), "v2": (2, 64), "v2w10": (5, 160)}  # set_variant code, rows per row group
 
 
+def cluster_ab(ext, ours, outs, name, m, t_cublas, result, calls) -> None:
+    """auto with cluster sums off / on, interleaved three times; the outputs must be equal bit for bit."""
+    ext.set_variant(3)
+    ts = {False: [], True: []}
+    got, used = {}, {}
+    try:
+        for _ in range(3):
+            for on in (False, True):
+                ext.set_v2_cluster(on)
+                ts[on].append(time_graph(ours, calls, calls))
+                got[on], used[on] = outs[0].clone(), int(ext.last_v2_cluster())
+    finally:
+        ext.set_v2_cluster(False)
+    same = bool(torch.equal(got[False], got[True]))
+    off, on = sorted(ts[False])[1] * 1e6, sorted(ts[True])[1] * 1e6
+    result["rows"].append({"shape": name, "m": m, "workspace_us": off, "cluster_us": on, "cluster_size": used[True],
+                           "grid": int(ext.last_v2_grid()), "bit_identical": same, "cublas_us": t_cublas * 1e6})
+    print(f"{name:8s} M={m:<3d} cuBLAS {t_cublas * 1e6:6.1f} | workspace {off:6.1f} cluster({used[True]}) {on:6.1f} "
+          f"({off / on:.3f}x) bit-identical {same}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,8,16")
@@ -40,6 +61,9 @@ def main() -> int:
     ap.add_argument("--maxp", type=int, default=800)
     ap.add_argument("--shapes", default=",".join(SHAPES_7B), help="of " + ",".join(SHAPES_7B))
     ap.add_argument("--variants", default="v2w8,v2", help="of " + ",".join(VARIANTS))
+    ap.add_argument("--cluster-ab", action="store_true",
+                    help="instead of the sweep: auto with the aligned grids' split-K sums through thread-block "
+                         "clusters (set_v2_cluster) against the workspace, interleaved, outputs compared bit for bit")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "partition.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -68,6 +92,9 @@ def main() -> int:
                     torch.matmul(x, wbf[i % len(wbf)].t())
 
                 t_cublas = time_graph(cublas, len(wbf), args.calls)
+                if args.cluster_ab:
+                    cluster_ab(ext, ours, outs, name, m, t_cublas, result, args.calls)
+                    continue
                 ext.set_variant(3)
                 t_auto = time_graph(ours, args.calls, args.calls)
                 ref = outs[0].float().clone()

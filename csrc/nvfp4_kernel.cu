@@ -42,6 +42,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -727,7 +728,7 @@ __device__ __forceinline__ void pair_epilogue(const float* sums, __nv_bfloat16* 
   }
 }
 
-template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR = false>
+template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR = false, bool CL = false>
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
@@ -940,7 +941,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
           const int n = rg * ROWS + nl;
           const int m = q * 8 + 2 * t + (i & 1);
           if (rowblock_ok && n < N && m < mslice) {
-            if (whole && pair)
+            if ((whole && pair) || CL)
               pbuf[m * ROWS + nl] = v[i];
             else if (whole)
               out[(size_t)m * N + n] = out_value(v[i] * alpha, bias, n);
@@ -956,6 +957,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
         pair_epilogue<NW * 32, ROWS>(pbuf, out, alpha, mslice, min(ROWS, N - rg * ROWS), N / 2, rg * (ROWS / 2));
         __syncthreads();  // pbuf (the staging buffers) is refilled by the next segment
       }
+      continue;
+    }
+    if constexpr (CL) {  // (launched on an aligned grid as clusters of its s splits: this CTA's one segment is
+                         // split cluster_rank() of the row group; the host never pairs CL with PAIR)
+      cluster_reduce<ROWS>(pbuf, out, bias, alpha, 0, mslice, N, rg * ROWS, cluster_rank(), cluster_size());
+      QERL_TL_X(tl_fixups |= 64u)
       continue;
     }
 
@@ -1001,7 +1008,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     }
     __syncthreads();  // s_last is rewritten by the next segment
   }
-  QERL_TL_END(16u + tl_fixups)  // 16 + the row groups this CTA summed (v2), + 32 if one came before its last segment
+  QERL_TL_END(16u + tl_fixups)  // 16 + the row groups this CTA summed (v2), + 32 if one came before its last
+                                // segment, + 64 if its split-K sum went through its cluster
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1119,6 +1127,12 @@ QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 8)
 QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 8)
 QERL_V2_PAIR_INSTANCE(4, 1, 4, 8, 1, 2, 8)
 QERL_V2_PAIR_INSTANCE(8, 1, 2, 4, 1, 2, 8)
+template __global__ void nvfp4_mma_v2_kernel<1, 1, 4, 8, 2, 2, 8, false, true>(
+    const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, int,
+    int, int, int, int, int, LoraAug);
+template __global__ void nvfp4_mma_v2_kernel<2, 1, 4, 8, 2, 2, 8, false, true>(
+    const __nv_bfloat16*, const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, int,
+    int, int, int, int, int, LoraAug);
 QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 10)
 QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 10)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
@@ -1160,6 +1174,8 @@ static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_v2_grid = 0;  // > 0: the stream-K kernel's CTA count (probes; at most its units), 0: chosen per shape
 static int g_v2_aligned = 1;   // the stream-K kernel's grid aligned with its row groups where that fills the GPU
 static int64_t g_last_v2_grid = 0;  // the CTA count of the last stream-K launch (tests)
+static int g_v2_cluster = 0;        // aligned grids' split-K sums through thread-block clusters (opt-in)
+static int g_last_v2_cluster = 0;   // the cluster size of the last stream-K launch (0: none; tests)
 
 // Row-group-aligned grids of the stream-K kernel (session 21, benchmarks/results/s21/, H100): the timeline probe
 // found the CTAs whose equal share of the RG * KT units crosses a row group's end late (down at M = 8: their K
@@ -1437,6 +1453,37 @@ static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   g_last_split = S * (cl ? -1 : 1);
 }
 
+// whether `clusters` clusters of s CTAs of kern (threads, smem) are resident at once on device dev (cached per
+// kernel, size, shared memory and device; a failed query: no)
+template <typename Kern>
+static bool v2_clusters_fit(Kern kern, int threads, size_t smem, int s, int64_t clusters, int dev) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t, int>, int> table;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kern), s, smem, dev);
+  auto it = table.find(key);
+  if (it == table.end()) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)s, 1, 1);
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)s;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int v = 0;
+    if (cudaOccupancyMaxActiveClusters(&v, kern, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // (the query's own error: no clusters for this configuration)
+      v = 0;
+    }
+    it = table.emplace(key, v).first;
+  }
+  return it->second >= clusters;
+}
+
 // opt-in variant 2 (stream-K, fewer instructions per tile); M <= 8 * TG; PAIR: linear_silu_out's pair mode
 template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR = false>
 static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs,
@@ -1459,20 +1506,43 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   constexpr int64_t kMinUnits = 2 * KCH;
   const int64_t W = (int64_t)RG * KT;
   int64_t P = std::max<int64_t>(1, std::min<int64_t>((int64_t)sms * occ, (W + kMinUnits - 1) / kMinUnits));
+  int sa = 0;  // the aligned grid's splits per row group (0: not aligned)
   if (TG <= 2 && g_v2_aligned) {  // M <= 16: where the sweep measured it
-    const int sa = aligned_splits(RG, KT, (int64_t)sms * occ);
+    sa = aligned_splits(RG, KT, (int64_t)sms * occ);
     if (sa > 0) P = (int64_t)RG * sa;
   }
-  if (g_v2_grid > 0) P = std::min<int64_t>(g_v2_grid, W);
+  if (g_v2_grid > 0 && g_v2_grid != P) {
+    P = std::min<int64_t>(g_v2_grid, W);
+    sa = 0;
+  }
   g_last_v2_grid = P;
+  g_last_v2_cluster = 0;
   at::Tensor wsbuf = at::empty({2 * P * (int64_t)M * ROWS_BLOCKS * 16}, x.options().dtype(at::kFloat));
   int* counters = counters_for(x, RG);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  g_last_split = 0;
+  // an aligned grid's s CTAs of a row group are consecutive: as one cluster they add their partials through
+  // distributed shared memory (cluster_reduce: the same order, the same bits as the workspace), where every
+  // cluster of s fits on the device at once. Instances of their own (CL), for 8 warps at M <= 16 only: inline in
+  // the other instances the cluster path raised the K loop's registers into spills
+  if constexpr (!PAIR && NW == 8 && TG <= 2) {
+    auto ckern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW, false, true>;
+    if (g_v2_cluster && sa >= 2 && sa <= kMaxClusterSplit && qerl_pdl::device_supports(x.get_device()) &&
+        resident_ctas(ckern, NW * 32, smem, x.get_device()) == occ &&
+        v2_clusters_fit(ckern, NW * 32, smem, sa, RG, x.get_device())) {
+      g_last_v2_cluster = sa;
+      C10_CUDA_CHECK(qerl_pdl::launch_cluster_dims(
+          ckern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(), dim3((unsigned)sa, 1, 1),
+          reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(), gs.data_ptr<float>(), bias,
+          reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG,
+          fixup_for(M), la));
+      return;
+    }
+  }
   C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(),
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
                                    gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
                                    wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M), la));
-  g_last_split = 0;
 }
 
 // the small-M kernel linear_out runs for bf16 x of M rows on the mma path: 0 / 1 the two configurations of
@@ -1704,6 +1774,7 @@ void set_v2_grid(int64_t p) {
   g_v2_grid = p;
 }
 void set_v2_aligned(bool on) { g_v2_aligned = on ? 1 : 0; }
+void set_v2_cluster(bool on) { g_v2_cluster = on ? 1 : 0; }
 void set_fixup(int64_t v) {
   TORCH_CHECK(v >= 0 && v <= 2, "qerl: fixup must be 0 (auto, per M), 1 (batched) or 2 (serial)");
   g_fixup = (int)v;
@@ -1764,6 +1835,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row-group-aligned grids of the stream-K kernel at M <= 16 where they fill the GPU (default on)");
   m.def("get_v2_aligned", [] { return qerl::g_v2_aligned != 0; });
   m.def("last_v2_grid", [] { return qerl::g_last_v2_grid; }, "CTAs of the last stream-K launch");
+  m.def("set_v2_cluster", &qerl::set_v2_cluster,
+        "split-K sums of the stream-K kernels' aligned grids through thread-block clusters (sm_90; opt-in)");
+  m.def("get_v2_cluster", [] { return qerl::g_v2_cluster != 0; });
+  m.def("last_v2_cluster", [] { return (int64_t)qerl::g_last_v2_cluster; },
+        "cluster size of the last stream-K launch (0: none)");
   m.def("set_v2_grid", &qerl::set_v2_grid, "force the stream-K kernel's CTA count (0: chosen per shape; probes)");
   m.def("set_split_override", &qerl::set_split_override, "force the K split of the small-M mma kernel (0: auto)");
   m.def("last_split", [] { return qerl::g_last_split; },

@@ -40,6 +40,22 @@ __device__ __forceinline__ void cluster_sync_all() {
 #endif
 }
 
+// this CTA's rank in its cluster, and the cluster's CTA count (1 and 0 outside an sm_90 build)
+__device__ __forceinline__ int cluster_rank() {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return (int)r;
+}
+__device__ __forceinline__ int cluster_size() {
+  uint32_t n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return (int)n;
+}
+
 // the address of this CTA's shared-memory word `local` in the shared memory of cluster rank `rank`
 __device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
   uint32_t r = 0;

@@ -344,6 +344,52 @@ def test_gpu_auto_variant_rules():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(3584, 18944), (3584, 3584), (4608, 3584), (5120, 27648), (2000, 4032)])
+def test_gpu_v2_cluster_sums_bit_identical(n, k):
+    """An aligned grid's split-K sums through thread-block clusters (set_v2_cluster) add the same partials in the
+    same order as the workspace and ticket: bit-identical outputs at every M up to 16 (poisoned), in a CUDA graph
+    replay too; the 7B down weight at M = 8 does run as clusters (of its 8 splits) on sm_90."""
+    _need_kernel()
+    ext = kernel._load()
+    before = kernel.variant()
+    qw, gs = make_packed(n, k, device="cuda", seed=2 * n + k)
+    try:
+        for v in ("v2w8", "v2"):
+            kernel.set_variant(v)
+            for m in (1, 3, 8, 9, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                outs, used = [], []
+                for on in (False, True):
+                    kernel.set_v2_cluster(on)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    kernel.linear(x, qw, gs, n, k, out=out)
+                    used.append(int(ext.last_v2_cluster()))
+                    outs.append(out)
+                torch.cuda.synchronize()
+                assert used[0] == 0 and not torch.isnan(outs[0]).any(), (v, m)
+                assert rel_err(outs[0], ref_fp32(x, qw, gs, n, k)) <= 1e-2, (v, m)
+                assert torch.equal(outs[0], outs[1]), (v, m, used)
+        kernel.set_variant("auto")
+        kernel.set_v2_cluster(True)
+        x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((8, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernel.linear(x, qw, gs, n, k, out=out)
+        if (n, k) == (3584, 18944) and torch.cuda.get_device_capability()[0] >= 9:
+            assert int(ext.last_v2_cluster()) == int(ext.last_v2_grid()) // 28 >= 2
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            kernel.linear(x, qw, gs, n, k, out=out)
+        first = out.clone()
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    finally:
+        kernel.set_v2_cluster(False)
+        kernel.set_variant(before)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(3584, 18944), (3584, 3584), (4608, 3584), (5120, 27648), (7168, 5120),
                                  (2000, 4032)])
 def test_gpu_v2_aligned_grid(n, k):

@@ -196,3 +196,30 @@ def test_linear_lora_declines_without_launching(settings):
     assert declined(x8, hs6, bs6, segs6)
     hs_b, bs_b, _ = _term((248, 72, 64), (16, 16, 16), 8, seed=5)
     assert declined(x8, hs_b, bs_b, (248, 0, 16, 320, 16, 32, 384, 32, 48))
+
+
+@pytest.mark.gpu
+def test_linear_lora_cluster_sums_bit_identical(settings):
+    """With a LoRA term the aligned grid's cluster sums (set_v2_cluster) give the workspace's bits too: the term
+    rides in the partial of the split that ends the row group's K range either way (7B down, rank 32, auto)."""
+    ext = settings
+    n, k = 3584, 18944
+    qw, gs = make_packed(n, k, device="cuda", seed=7)
+    kernel.set_variant("auto")
+    try:
+        for m in (1, 8, 16):
+            hs, bs, segs = _term((n,), (32,), m, seed=m + 40)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            outs, used = [], []
+            for on in (False, True):
+                kernel.set_v2_cluster(on)
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                assert kernel.linear_lora(x, qw, gs, n, k, hs, bs, segs, out=out) is not None
+                used.append(int(ext.last_v2_cluster()))
+                outs.append(out)
+            torch.cuda.synchronize()
+            assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1]), (m, used)
+            if torch.cuda.get_device_capability()[0] >= 9:
+                assert used[0] == 0 and used[1] >= 2, (m, used)
+    finally:
+        kernel.set_v2_cluster(False)

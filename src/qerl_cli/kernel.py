@@ -172,6 +172,8 @@ def _apply_variant(ext) -> None:
     ext.set_variant(VARIANTS[_variant])
     if os.environ.get("QERL_KERNEL_V2_ALIGNED", "1") == "0":
         ext.set_v2_aligned(False)
+    if os.environ.get("QERL_KERNEL_V2_CLUSTER", "0") == "1":
+        ext.set_v2_cluster(True)
 
 
 def _variant_name(v: str) -> str:
@@ -212,6 +214,17 @@ def set_v2_aligned(on: bool) -> None:
     ext = _load()
     if ext is not None:
         ext.set_v2_aligned(bool(on))
+
+
+def set_v2_cluster(on: bool) -> None:
+    """Split-K sums of the stream-K kernels' row-group-aligned grids through sm_90 thread-block clusters (opt-in,
+    ``QERL_KERNEL_V2_CLUSTER=1``): the s CTAs of a row group (s <= 8) run as one cluster and add their fp32
+    partials through distributed shared memory in split order, instead of the fp32 workspace and a ticket: the
+    same order, so the same bits (tested). Only where every cluster fits on the device at once. A no-op without
+    the CUDA extension."""
+    ext = _load()
+    if ext is not None:
+        ext.set_v2_cluster(bool(on))
 
 
 def set_pdl(on: bool) -> None:
