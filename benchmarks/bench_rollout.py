@@ -242,8 +242,8 @@ def main() -> None:
                          "with a rank-32 adapter")
     ap.add_argument("--v2-cluster", action="store_true",
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the aligned grids' split-K sums through "
-                         "thread-block clusters against the workspace, interleaved twice, then once each with a "
-                         "rank-32 adapter")
+                         "thread-block clusters (the default) against the workspace, interleaved twice, then once "
+                         "each with a rank-32 adapter")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "rollout_h200.json")
     args = ap.parse_args()
     from qerl_cli import fused
@@ -518,7 +518,7 @@ def aligned_part(rows, save, cluster: bool = False) -> None:
                 save()
     finally:
         kernel.set_v2_aligned(True)
-        kernel.set_v2_cluster(False)
+        kernel.set_v2_cluster(True)
 
 
 def attn_lora_part(result, rows, save) -> None:

@@ -1174,7 +1174,7 @@ static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_v2_grid = 0;  // > 0: the stream-K kernel's CTA count (probes; at most its units), 0: chosen per shape
 static int g_v2_aligned = 1;   // the stream-K kernel's grid aligned with its row groups where that fills the GPU
 static int64_t g_last_v2_grid = 0;  // the CTA count of the last stream-K launch (tests)
-static int g_v2_cluster = 0;        // aligned grids' split-K sums through thread-block clusters (opt-in)
+static int g_v2_cluster = 1;        // aligned grids' split-K sums through thread-block clusters (sm_90)
 static int g_last_v2_cluster = 0;   // the cluster size of the last stream-K launch (0: none; tests)
 
 // Row-group-aligned grids of the stream-K kernel (session 21, benchmarks/results/s21/, H100): the timeline probe
@@ -1524,7 +1524,9 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
   // an aligned grid's s CTAs of a row group are consecutive: as one cluster they add their partials through
   // distributed shared memory (cluster_reduce: the same order, the same bits as the workspace), where every
   // cluster of s fits on the device at once. Instances of their own (CL), for 8 warps at M <= 16 only: inline in
-  // the other instances the cluster path raised the K loop's registers into spills
+  // the other instances the cluster path raised the K loop's registers into spills. Session 21 on the H100
+  // (benchmarks/results/s21/part52_*): 7B o 7.0 / 8.6 / 10.7 us -> 6.7 / 7.3 / 10.7 at M = 1 / 8 / 16, down
+  // 18.3 / 19.7 / 23.1 -> 18.1 / 19.1 / 21.1; q/k/v's 36 clusters of 7 do not all fit (the workspace stays)
   if constexpr (!PAIR && NW == 8 && TG <= 2) {
     auto ckern = nvfp4_mma_v2_kernel<TG, R, D, KCH, NACC, MINB, NW, false, true>;
     if (g_v2_cluster && sa >= 2 && sa <= kMaxClusterSplit && qerl_pdl::device_supports(x.get_device()) &&
@@ -1836,7 +1838,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_v2_aligned", [] { return qerl::g_v2_aligned != 0; });
   m.def("last_v2_grid", [] { return qerl::g_last_v2_grid; }, "CTAs of the last stream-K launch");
   m.def("set_v2_cluster", &qerl::set_v2_cluster,
-        "split-K sums of the stream-K kernels' aligned grids through thread-block clusters (sm_90; opt-in)");
+        "split-K sums of the stream-K kernels' aligned grids through thread-block clusters (sm_90; default on)");
   m.def("get_v2_cluster", [] { return qerl::g_v2_cluster != 0; });
   m.def("last_v2_cluster", [] { return (int64_t)qerl::g_last_v2_cluster; },
         "cluster size of the last stream-K launch (0: none)");

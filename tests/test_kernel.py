@@ -351,7 +351,7 @@ def test_gpu_v2_cluster_sums_bit_identical(n, k):
     replay too; the 7B down weight at M = 8 does run as clusters (of its 8 splits) on sm_90."""
     _need_kernel()
     ext = kernel._load()
-    before = kernel.variant()
+    before, cluster_before = kernel.variant(), bool(ext.get_v2_cluster())
     qw, gs = make_packed(n, k, device="cuda", seed=2 * n + k)
     try:
         for v in ("v2w8", "v2"):
@@ -385,7 +385,7 @@ def test_gpu_v2_cluster_sums_bit_identical(n, k):
         torch.cuda.synchronize()
         assert torch.equal(out, first)
     finally:
-        kernel.set_v2_cluster(False)
+        kernel.set_v2_cluster(cluster_before)
         kernel.set_variant(before)
 
 

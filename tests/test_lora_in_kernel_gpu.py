@@ -206,6 +206,7 @@ def test_linear_lora_cluster_sums_bit_identical(settings):
     n, k = 3584, 18944
     qw, gs = make_packed(n, k, device="cuda", seed=7)
     kernel.set_variant("auto")
+    cluster_before = bool(ext.get_v2_cluster())
     try:
         for m in (1, 8, 16):
             hs, bs, segs = _term((n,), (32,), m, seed=m + 40)
@@ -222,4 +223,4 @@ def test_linear_lora_cluster_sums_bit_identical(settings):
             if torch.cuda.get_device_capability()[0] >= 9:
                 assert used[0] == 0 and used[1] >= 2, (m, used)
     finally:
-        kernel.set_v2_cluster(False)
+        kernel.set_v2_cluster(cluster_before)

@@ -45,7 +45,9 @@ it runs ``"v2w8"``).
 All read the same tile records and have the same op signatures. Up to M = 16 the stream-K kernels run a grid
 aligned with their row groups (RG * s CTAs, each inside one row group's K range) where that fills at least 3/4 of
 the resident CTA slots (``set_v2_aligned``, ``QERL_KERNEL_V2_ALIGNED=0`` off): CTAs that cross a row group end
-mid-range were the late ones (session 21).
+mid-range were the late ones (session 21). Where such a grid's s splits of a row group (s <= 8) fit as
+thread-block clusters on sm_90, they add their partials through distributed shared memory (``set_v2_cluster``,
+``QERL_KERNEL_V2_CLUSTER=0`` off; the same bits as the workspace).
 
 If CUDA is absent or the build fails, every call runs the reference (:func:`layout.reference_matmul`,
 :func:`layout.dequantize`) and one warning line says why. Split-K launches keep a small self-resetting
@@ -172,8 +174,8 @@ def _apply_variant(ext) -> None:
     ext.set_variant(VARIANTS[_variant])
     if os.environ.get("QERL_KERNEL_V2_ALIGNED", "1") == "0":
         ext.set_v2_aligned(False)
-    if os.environ.get("QERL_KERNEL_V2_CLUSTER", "0") == "1":
-        ext.set_v2_cluster(True)
+    if os.environ.get("QERL_KERNEL_V2_CLUSTER", "1") == "0":
+        ext.set_v2_cluster(False)
 
 
 def _variant_name(v: str) -> str:
@@ -217,11 +219,11 @@ def set_v2_aligned(on: bool) -> None:
 
 
 def set_v2_cluster(on: bool) -> None:
-    """Split-K sums of the stream-K kernels' row-group-aligned grids through sm_90 thread-block clusters (opt-in,
-    ``QERL_KERNEL_V2_CLUSTER=1``): the s CTAs of a row group (s <= 8) run as one cluster and add their fp32
-    partials through distributed shared memory in split order, instead of the fp32 workspace and a ticket: the
-    same order, so the same bits (tested). Only where every cluster fits on the device at once. A no-op without
-    the CUDA extension."""
+    """Split-K sums of the stream-K kernels' row-group-aligned grids through sm_90 thread-block clusters (default
+    on, ``QERL_KERNEL_V2_CLUSTER=0`` off): the s CTAs of a row group (s <= 8) run as one cluster and add their
+    fp32 partials through distributed shared memory in split order, instead of the fp32 workspace and a ticket:
+    the same order, so the same bits (tested). Only where every cluster fits on the device at once (8-warp
+    instances, M <= 16). A no-op without the CUDA extension."""
     ext = _load()
     if ext is not None:
         ext.set_v2_cluster(bool(on))
