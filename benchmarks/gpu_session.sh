@@ -129,6 +129,12 @@
 #   52                             session 21 (sm_90a code only): build, the GPU tests of the aligned grids' split-K
 #                                  sums through thread-block clusters (set_v2_cluster), probe_partition --cluster-ab
 #                                  (q/k/v, o, down at M = 1, 8, 16), the 7B-shape rollouts clusters against workspace
+#   53                             (prepared in session 21, for an H200) build, the engine / kernel / LoRA-term GPU
+#                                  tests with the cluster sums on by default, then the 7B-shape rollouts with the
+#                                  aligned grids against session 20's (bench_rollout.py --v2-aligned) until 580 s
+#   54                             (prepared in session 21, right after 53 on the warm machine) the kernel bench of
+#                                  issue 4: 7B and 32B shapes at every M of MS (default 1,2,4,8,16,32,64,128,256,
+#                                  1024,4096)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -173,7 +179,7 @@ lora_term_checks() {
   lora_rollout 120 "$1"
 }
 
-PART="${1:?part 1 to 52 (see above; 44 is in commit 61b3ce5)}"
+PART="${1:?part 1 to 54 (see above; 44 is in commit 61b3ce5)}"
 case "$PART" in
 6)
   nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -688,6 +694,24 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 270 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --v2-cluster \
     --json "$OUT/rollout_7b_cluster.json" 2>&1 | tee "$OUT/bench_rollout_7b_cluster.log" | grep -v '^{' | grep -v '━\|──'
   stamp 52 "rollouts done"
+  ;;
+53)
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  build; stamp 53 "build done"
+  COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    tests/test_kernel.py tests/test_lora_in_kernel_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 53 "GPU tests done"
+  timeout $(( 580 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --v2-aligned \
+    --json "$OUT/rollout_7b_aligned.json" 2>&1 | tee "$OUT/bench_rollout_7b_aligned.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 53 "rollouts done"
+  ;;
+54)
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  build; stamp 54 "build (cached on a warm machine) done"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
+    --ms "${MS:-1,2,4,8,16,32,64,128,256,1024,4096}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  tail -n 50 "$OUT/bench_kernel.log"; stamp 54 "kernel bench done"
   ;;
 8)
   build; stamp 8 "kernels built"
