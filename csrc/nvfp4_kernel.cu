@@ -1555,23 +1555,29 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
 // against 33.1 / 34.5 / 38.0 for v2w8 (stream-K grid). Down keeps v2w8 (its aligned 224-CTA grid: 18.3 / 19.5 /
 // 23.1 us against 18.7 / 21.0 / 26.8 for the best 10-warp grid). Only while aligned grids are on, M <= 16.
 template <int TG>
-static bool w10_aligns(int64_t M, int64_t n, int64_t k) {
-  if (!g_v2_aligned || M > 8 * TG) return false;
+static int aligned_warps(int64_t M, int64_t n, int64_t k) {  // 8 or 10 (the first whose row groups align), 0: none
+  if (!g_v2_aligned || M > 8 * TG) return 0;
   const int dev = c10::cuda::current_device();
   const int64_t NT = (n + 15) / 16, KT = (k + 63) / 64;
   const size_t smem = (size_t)2 * std::min<int64_t>(8 * TG, M + 1) * (8 * 64 + 8) * sizeof(__nv_bfloat16);
   const int64_t cap8 = (int64_t)num_sms(dev) *
                        resident_ctas(nvfp4_mma_v2_kernel<TG, 1, 4, 8, 2, 2, 8>, 8 * 32, smem, dev);
+  if (aligned_splits((NT + 7) / 8, KT, cap8) > 0) return 8;
   const int64_t cap10 = (int64_t)num_sms(dev) *
                         resident_ctas(nvfp4_mma_v2_kernel<TG, 1, 4, 8, 2, 2, 10>, 10 * 32, smem, dev);
-  return aligned_splits((NT + 7) / 8, KT, cap8) == 0 && aligned_splits((NT + 9) / 10, KT, cap10) > 0;
+  return aligned_splits((NT + 9) / 10, KT, cap10) > 0 ? 10 : 0;
 }
 
-// auto_variant with the 10-warp refinement (needs the device: occupancy and SM count)
+// auto_variant refined on the device (SM count and occupancy): v2w10 where only its row groups align; the
+// q/k/v- and o-sized weights that auto_variant gives v2w8 for its aligned grid (M <= 8) keep the v1 kernel where
+// no such grid forms
 static int auto_choice(int64_t M, int64_t n, int64_t k) {
   const int v = auto_variant(M, n, k);
   if (v != 4 || M > 16) return v;
-  return (M <= 8 ? w10_aligns<1>(M, n, k) : w10_aligns<2>(M, n, k)) ? 5 : 4;
+  const int w = M <= 8 ? aligned_warps<1>(M, n, k) : aligned_warps<2>(M, n, k);
+  if (w == 10) return 5;
+  if (w == 0 && M <= 8 && n * k < kV2W8MinWeights && n < kV2MinRows) return 0;
+  return 4;
 }
 
 static int resolved_variant(int64_t M, int64_t n, int64_t k) {

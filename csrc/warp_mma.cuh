@@ -40,7 +40,7 @@ __device__ __forceinline__ void cluster_sync_all() {
 #endif
 }
 
-// this CTA's rank in its cluster, and the cluster's CTA count (1 and 0 outside an sm_90 build)
+// this CTA's rank in its cluster, and the cluster's CTA count (0 and 1 outside an sm_90 build)
 __device__ __forceinline__ int cluster_rank() {
   uint32_t r = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
