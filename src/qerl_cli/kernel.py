@@ -68,7 +68,8 @@ from . import layout
 
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
            "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
-           "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS"]
+           "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS", "set_v2_aligned", "set_v2_cluster",
+           "settings"]
 
 BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
@@ -270,6 +271,19 @@ def last_backend() -> str:
 
 def _set_backend(name: str) -> None:
     _state.backend = name
+
+
+def settings() -> dict:
+    """The process-wide settings that decide which kernel, grid and split-K reduction run a product (outputs may
+    differ between them in the fp32 order of split sums, never beyond bf16 rounding): recorded with rollouts so
+    a run says which code made its tokens. Without the extension only ``available`` (False) and ``variant``."""
+    ext = _load()
+    out = {"available": ext is not None, "variant": variant()}
+    if ext is not None:
+        out |= {"pdl": bool(ext.get_pdl()), "cluster_split": bool(ext.get_cluster()),
+                "cluster_max_m": int(ext.get_cluster_max_m()), "large_m_threshold": int(ext.get_large_m_threshold()),
+                "v2_aligned": bool(ext.get_v2_aligned()), "v2_cluster": bool(ext.get_v2_cluster())}
+    return out
 
 
 def large_m_threshold() -> int:

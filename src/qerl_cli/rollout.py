@@ -12,7 +12,7 @@ import torch
 from rich.table import Table
 from safetensors.torch import save_file
 
-from . import artifact, config, modelio, names, tasks, ui
+from . import artifact, config, kernel, modelio, names, tasks, ui
 from .engine import SEED_LIMIT, Engine, RolloutBatch, SamplingConfig
 from .errors import QerlError
 
@@ -233,7 +233,9 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
                                   "cuda_graph": eng.use_graph and cfg.engine == "ours",
                                   "sampler": (eng.sampler(cfg.sampling(), eng.lm_head.weight.shape[0])
                                               if cfg.engine == "ours" else cfg.engine),
-                                  "decode_attention": eng.decode_attention() if cfg.engine == "ours" else cfg.engine},
+                                  "decode_attention": eng.decode_attention() if cfg.engine == "ours" else cfg.engine,
+                                  # (which NVFP4 kernel, grid and split-K reduction our engine's products ran on)
+                                  "nvfp4_kernel": kernel.settings() if cfg.engine == "ours" else cfg.engine},
                 "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION, "verifier": scoring,
                 "noise": noise_states, "summary": summary}
         (tmp / names.ROLLOUT_META).write_text(json.dumps(meta, indent=1) + "\n")
