@@ -350,6 +350,19 @@ def test_gpu_auto_variant_rules():
         kernel.set_v2_aligned(aligned_before)
 
 
+def _replay_equals_eager(call, out: torch.Tensor) -> bool:
+    """``call`` (which writes ``out``; run eagerly just before) captured in a CUDA graph and replayed onto a
+    poisoned ``out`` gives the eager bits."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    first = out.clone()
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return torch.equal(out, first)
+
+
 def _aligned_splits(rg: int, kt: int, cap: int) -> int:
     """The host's aligned_splits (csrc/nvfp4_kernel.cu): splits per row group of the stream-K kernel's aligned
     grid for rg row groups of kt K tiles on cap resident CTA slots, 0 for none."""
@@ -403,14 +416,7 @@ def test_gpu_v2_cluster_sums_bit_identical(n, k):
         kernel.linear(x, qw, gs, n, k, out=out)
         if n == 3584 and _clusters_expected():
             assert int(ext.last_v2_cluster()) == int(ext.last_v2_grid()) // 28 == 8
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            kernel.linear(x, qw, gs, n, k, out=out)
-        first = out.clone()
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
+        assert _replay_equals_eager(lambda: kernel.linear(x, qw, gs, n, k, out=out), out)
     finally:
         kernel.set_v2_cluster(cluster_before)
         kernel.set_variant(before)
@@ -554,17 +560,10 @@ def test_gpu_linear_silu_equals_product_then_silu_mul(n, k):
                     assert got is not None and torch.equal(got, expect), (n, k, m)
                 else:
                     assert got is None, (n, k, m)
-        g = torch.cuda.CUDAGraph()
         x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
         out = torch.full((8, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
         ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)  # (workspace and counters before the capture)
-        with torch.cuda.graph(g):
-            ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out)
-        first = out.clone()
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
+        assert _replay_equals_eager(lambda: ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out), out)
     finally:
         kernel.set_variant(before)
 
