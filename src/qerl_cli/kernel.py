@@ -31,7 +31,8 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 
 Small-M kernel variant: ``"auto"`` (the default) picks one per shape from H200 measurements (at M <= 8:
 ``"v2w8"`` for weights of >= 6e7 entries, for smaller ones of >= 5120 rows ``"v2"`` if wide (N > K) and
-``"v2w8"`` otherwise, ``"v2w8"`` for those of >= 1e7 entries while row-group-aligned grids are on (session 21, H100),
+``"v2w8"`` otherwise, ``"v2w8"`` for those of >= 1e7 entries where its row-group-aligned grid forms on the device
+(session 21, H100),
 ``"default"`` for the rest; up to M = 16, ``"v2w10"`` instead of ``"v2w8"`` where only 160-row groups align with
 the resident CTA slots, e.g. the 7B gate/up weight; at 8 < M <= 16: ``"v2w8"`` for weights of >= 6e7 entries,
 ``"default"`` for smaller wide ones of >= 5120 rows, ``"alt"`` otherwise; at 16 < M <= 64: ``"v2w8"`` for
