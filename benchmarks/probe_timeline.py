@@ -97,6 +97,18 @@ def launches(recs: np.ndarray) -> list[dict]:
     return sorted(out, key=lambda d: d["first_entry"])
 
 
+def last_launches(recs: np.ndarray) -> np.ndarray:
+    """The records of every (shape, weight address)'s last launch: in a decode step's recording, its last step."""
+    keep = []
+    for key in np.unique(recs[["tag", "qw"]]):
+        r = recs[(recs["tag"] == key["tag"]) & (recs["qw"] == key["qw"])]
+        r = r[np.argsort(r["t_entry"])]
+        grid = int(r["grid"][0])
+        n = len(r) // grid
+        keep.append(r[(n - 1) * grid:n * grid])
+    return np.concatenate(keep) if keep else recs[:0]
+
+
 def mid_sums(g: np.ndarray) -> dict:
     """Stream-K launches (flags >= 16): how many blocks summed a row group before their last segment (flag bit 32),
     and what share of the latest tenth of K-loop ends those blocks make (is a mid-kernel sum what makes them late?)."""
@@ -246,7 +258,7 @@ def engine_step(ext, batch: int, result: dict) -> None:
     with Timeline(ext) as tl:
         b = eng.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 1, set(), 0)
     seq = launches(tl.recs)
-    RAW["engine_step"] = tl.recs.copy()
+    RAW["engine_step_last"] = last_launches(tl.recs)  # (the last recorded step: every weight's last launch)
     # the decode steps: every packed weight once per step; keep the last full step
     per_step = len({(d["tag"], d["qw"]) for d in seq})
     steps = len(seq) // per_step
