@@ -176,6 +176,29 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.qerl.linear_out.default, (x.detach(), qw, gs, n, k, torch.empty(3, n)))
 
 
+@pytest.mark.parametrize("cap", [264, 216, 660, 296])
+def test_aligned_grid_partition_cpu(cap):
+    """The arithmetic the stream-K kernel's aligned grids rest on (the host's aligned_splits, mirrored by
+    _aligned_splits; the kernel's sk_begin(b) = b * W / P): with P = RG * s blocks over W = RG * KT units, every
+    block's range is non-empty and inside one row group, row group r goes to blocks r * s ... r * s + s - 1 in K
+    order (a cluster's rank order is the workspace's slot order), and the grid is resident and fills 3/4 of it."""
+    grids = 0
+    for rg in (1, 5, 23, 28, 36, 40, 56, 237, 296):
+        for kt in (4, 9, 56, 63, 80, 296, 432):
+            s = _aligned_splits(rg, kt, cap)
+            if s == 0:
+                continue
+            grids += 1
+            p, w = rg * s, rg * kt
+            assert 1 <= s <= kt // 4 and p <= cap and 4 * p >= 3 * cap, (rg, kt, cap, s)
+            for b in range(p):
+                u0, u1 = b * w // p, (b + 1) * w // p
+                assert u1 > u0 and u0 // kt == (u1 - 1) // kt == b // s, (rg, kt, s, b)
+                assert u0 % kt == (b % s) * kt // s, (rg, kt, s, b)  # split j starts at j * KT / s of its group
+    assert grids >= 10, grids
+    assert _aligned_splits(28, 296, 264) == 8 and _aligned_splits(296, 56, 264) == 0  # (7B down; 7B gate/up, 8 warps)
+
+
 def test_variant_selection_cpu():
     before = kernel.variant()
     try:
