@@ -149,6 +149,13 @@ GGUF=/root/smol/smol.gguf
 t0=$(date +%s)
 stamp() { echo "[gpu_session $1] +$(( $(date +%s) - t0 ))s: $2"; }
 
+# the GPU's name and clocks into $OUT/gpu.txt, and the builds that follow for sm_90a code only (the device's
+# H100 / H200; session 20's parts on)
+sm90_start() {
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+}
+
 build() {
   python3 -c "
 from qerl_cli import kernel, fused; import threading, time; t=time.time()
@@ -581,8 +588,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
 43)
   # session 20: where a small-M launch spends its time (benchmarks/probe_timeline.py: per-CTA %globaltimer stamps in
   # the probe build of the kernel), in chains of one shape and in a 7B-shape decode step; sm_90a code only
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   QERL_KERNEL_TIMELINE=1 python3 -c "from qerl_cli import kernel; print('timeline build:', kernel.available(), \
     kernel.build_error())" > "$OUT/build_timeline.log" 2>&1 &
   build; wait; cat "$OUT/build_timeline.log"; stamp 43 "both builds done"
@@ -599,16 +605,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
 45)
   # session 20, prepared: the timeline probe alone (sm_90a code only): chains and a 7B decode step, with the
   # stream-K blocks that summed before their last segment counted (do mid-kernel sums make the late blocks late?)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   QERL_KERNEL_TIMELINE=1 build; stamp 45 "probe build done"
   timeout $(( 560 - $(date +%s) + t0 )) python3 benchmarks/probe_timeline.py --ms "${MS:-1,8,16}" \
     --json "$OUT/timeline.json" 2>&1 | tee "$OUT/timeline.log"
   stamp 45 "timeline probe done"
   ;;
 46)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   QERL_KERNEL_TIMELINE=1 build; stamp 46 "probe build done"
   python3 -c "from qerl_cli import kernel; print('normal build:', kernel.available(), kernel.build_error())" \
     > "$OUT/build_normal.log" 2>&1 &
@@ -621,16 +625,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   tail -n 8 "$OUT/gpu_tests_engine.log"; stamp 46 "engine GPU tests done"
   ;;
 47)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   build; stamp 47 "build done"
   timeout $(( 540 - $(date +%s) + t0 )) python3 benchmarks/probe_partition.py --ms "${MS:-1,8,16}" \
     --json "$OUT/partition.json" 2>&1 | tee "$OUT/partition.log"
   stamp 47 "partition probe done"
   ;;
 48)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   build; stamp 48 "build done"
   COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
     tests/test_engine_gpu.py tests/test_lora_in_kernel_gpu.py > "$OUT/gpu_tests.log" 2>&1
@@ -643,8 +645,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   tail -n 40 "$OUT/bench_kernel.log"; stamp 48 "kernel bench done"
   ;;
 49)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   build; stamp 49 "build done"
   timeout 200 python3 benchmarks/probe_partition.py --shapes gate_up,down --variants v2w8,v2w10 --maxp 600 \
     --json "$OUT/partition.json" 2>&1 | tee "$OUT/partition.log"
@@ -654,8 +655,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   tail -n 12 "$OUT/gpu_tests.log"; stamp 49 "GPU tests done"
   ;;
 50)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   build; stamp 50 "build done"
   COLUMNS=200 timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
     tests/test_engine_gpu.py tests/test_lora_in_kernel_gpu.py tests/test_fused_gpu.py tests/test_train_gpu.py \
@@ -669,8 +669,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   tail -n 28 "$OUT/bench_kernel.log"; stamp 50 "kernel bench done"
   ;;
 51)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   QERL_KERNEL_TIMELINE=1 python3 -c "from qerl_cli import kernel; print('timeline build:', kernel.available(), \
     kernel.build_error())" > "$OUT/build_timeline.log" 2>&1 &
   build; wait; cat "$OUT/build_timeline.log"; stamp 51 "both builds done"
@@ -682,8 +681,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   stamp 51 "timeline probe done"
   ;;
 52)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   build; stamp 52 "build done"
   COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
     tests/test_lora_in_kernel_gpu.py -k "cluster_sums or aligned or auto_variant" > "$OUT/gpu_tests.log" 2>&1
@@ -696,8 +694,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   stamp 52 "rollouts done"
   ;;
 53)
-  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-  export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
+  sm90_start
   build; stamp 53 "build done"
   COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
     tests/test_kernel.py tests/test_lora_in_kernel_gpu.py > "$OUT/gpu_tests.log" 2>&1
