@@ -83,8 +83,10 @@ def random_lora(model, rank: int) -> LoRA:
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
-                decode_attn=None, silu_in_kernel=None, **engine_kw) -> dict:
+                decode_attn=None, silu_in_kernel=None, rope_in_attn=None, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    if rope_in_attn is not None:  # (None: the engine's default)
+        eng.rope_in_attn = rope_in_attn
     if silu_in_kernel is not None:  # (None: the engine's default)
         eng.silu_in_kernel = silu_in_kernel
     if decode_attn is not None:  # (None: the engine's default)
@@ -240,6 +242,10 @@ def main() -> None:
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the stream-K kernels' row-group-aligned "
                          "grids (the default) against the default grids, interleaved three times, then once each "
                          "with a rank-32 adapter")
+    ap.add_argument("--rope-in-attn", action="store_true",
+                    help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: rotary and the cache write inside the decode "
+                         "attention kernel (the default) against rope_kv + decode_attn, interleaved three times, "
+                         "then a rank-32 adapter with attention in our kernel against SDPA")
     ap.add_argument("--v2-cluster", action="store_true",
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the aligned grids' split-K sums through "
                          "thread-block clusters (the default) against the workspace, interleaved twice, then once "
@@ -289,6 +295,8 @@ def main() -> None:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.silu_in_kernel:
         silu_part(rows, save)
+    elif args.rope_in_attn:
+        rope_attn_part(rows, save)
     elif args.v2_aligned:
         aligned_part(rows, save)
     elif args.v2_cluster:
@@ -493,6 +501,25 @@ def silu_part(rows, save) -> None:
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " silu-kernel"),
                          "batch": 8, **time_engine(big, 8, 256, 512, 152064, silu_in_kernel=on)})
             save()
+
+
+def rope_attn_part(rows, save) -> None:
+    """The rotary and the step's cache write inside the decode attention kernel (Engine.rope_in_attn,
+    fused.rope_decode_attn: session 22) against rope_kv + decode_attn, interleaved three times: 7B shapes (NVFP4),
+    batch 8, 256 -> 512 tokens, no adapter; then with a rank-32 adapter, attention in our kernel ("wave", rotary
+    inside) against the default with an adapter (SDPA after rope_kv)."""
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    for _ in range(3):
+        for on in (True, False):
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " rope_kv+attn"),
+                         "batch": 8, **time_engine(big, 8, 256, 512, 152064, rope_in_attn=on)})
+            save()
+    for attn in ("wave", None):
+        rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + (" attn:wave" if attn else " sdpa"),
+                     "batch": 8, **time_engine(big, 8, 256, 512, 152064, lora_rank=32, decode_attn=attn)})
+        save()
 
 
 def aligned_part(rows, save, cluster: bool = False) -> None:

@@ -135,6 +135,10 @@
 #   54                             (prepared in session 21, right after 53 on the warm machine) the kernel bench of
 #                                  issue 4: 7B and 32B shapes at every M of MS (default 1,2,4,8,16,32,64,128,256,
 #                                  1024,4096)
+#   55                             session 22 (sm_90a code only): build, the decode-attention, fused, engine and kernel
+#                                  GPU tests (the rotary inside the attention kernel; auto's v2w8 rule at M <= 16),
+#                                  the 7B-shape rollouts with the rotary inside against rope_kv + decode_attn
+#                                  (bench_rollout.py --rope-in-attn), the kernel bench (7B and 32B, M = 1, 8, 16)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -702,6 +706,20 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 580 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --v2-aligned \
     --json "$OUT/rollout_7b_aligned.json" 2>&1 | tee "$OUT/bench_rollout_7b_aligned.log" | grep -v '^{' | grep -v '━\|──'
   stamp 53 "rollouts done"
+  ;;
+55)
+  # session 22: the rotary inside the decode attention kernel (fused.rope_decode_attn) and auto's v2w8 rule at M <= 16
+  sm90_start
+  build; stamp 55 "build done"
+  COLUMNS=200 timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_decode_attn_gpu.py \
+    tests/test_fused_gpu.py tests/test_engine_gpu.py tests/test_kernel.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 55 "GPU tests done"
+  timeout 200 python3 benchmarks/bench_rollout.py --skip-smollm2 --rope-in-attn --json "$OUT/rollout_7b_rope.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_rope.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 55 "rollouts done"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
+    --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  tail -n 16 "$OUT/bench_kernel.log"; stamp 55 "kernel bench done"
   ;;
 54)
   export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"

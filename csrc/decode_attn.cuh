@@ -29,6 +29,12 @@
 // its partial to a workspace and the last block of the pair (a self-resetting ticket) adds them, with the same
 // formula in the same order: both give the same bits (tested), and neither depends on the blocks' scheduling.
 //
+// Rotary in the same kernel (rope.y set: fused.rope_decode_attn): q comes from the fused q/k/v projection row y
+// with the rotary of rope_kv (rope_half, the same bits) applied by the block into shared memory, and the block
+// whose slots hold the step's own slot makes that slot's rotary k and v itself: into its buffers (that row is not
+// copied from the cache) and into the cache for the later steps. One kernel instead of rope_kv + decode_attn, the
+// same bits in the output and the cache (tested).
+//
 // Numerics: bf16 q . k products exact, fp32 sums (tensor-core order), fp32 softmax, p in hi + lo bf16, fp32
 // p . V sums, one bf16 rounding of the output (SDPA's flash kernel rounds p to bf16: about 2^-9 relative).
 
@@ -70,15 +76,25 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// rotary inputs of a fused decode step (y null: q and the step's cache rows are already made)
+struct AttnRope {
+  const bf16* y;      // [B, (H + 2 KV) * D] rows of the fused q/k/v projection (this step's token)
+  int64_t y_stride;
+  const bf16* cos;    // [B, D] rows (this step's position)
+  const bf16* sin;
+  int64_t cs_stride;
+  int n_heads;
+};
+
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(
     const bf16* __restrict__ q,                                  // [B, H, D] (the step's one token)
-    const bf16* __restrict__ kc, const bf16* __restrict__ vc,    // [B, KV, S, D]
+    bf16* __restrict__ kc, bf16* __restrict__ vc,                // [B, KV, S, D] (written: rope's own slot)
     const bool* __restrict__ key_mask, int64_t km_stride,        // [B, >= S]
     const int64_t* __restrict__ slot,                            // attends to slots [0, *slot]
     bf16* __restrict__ out,                                      // [B, H * D]
     float* __restrict__ ws, int* __restrict__ tickets, int n_kv, int group, int64_t slots, float scale_log2,
-    int in_cluster, int late_trigger) {
+    int in_cluster, int late_trigger, AttnRope rope) {
   using C = AttnCfg<D>;
   extern __shared__ __align__(128) unsigned char attn_smem[];
   unsigned char* kbuf = attn_smem;
@@ -105,6 +121,9 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(
   const uint32_t vb = kb + kAttnBufBytes;
   // buffer row j, 16-byte piece c: byte j * 2D + 16 (c ^ (j & 7))
   auto at = [](int j, int c) { return static_cast<uint32_t>(j * (2 * D) + ((c ^ (j & 7)) << 4)); };
+  // rotary here: the buffer row of the step's own slot, where this block holds it (-1: none), made below
+  const int j_own = rope.y != nullptr && s_now >= 0 && s_now < slots && s_now >= s0 && s_now < s0 + len
+                        ? static_cast<int>(s_now - s0) : -1;
   {
     // this warp's tiles of one cache (K or V) into its buffer, one cp.async group
     auto copy_tiles = [&](uint32_t buf, const bf16* src) {
@@ -114,7 +133,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(
         if (kt < tiles)
           for (int p = lane; p < 16 * C::kPieces; p += 32) {
             const int j = kt * 16 + p / C::kPieces, c = p % C::kPieces;
-            cp_async16_zfill(buf + at(j, c), src + (j < len ? j * D + c * 8 : 0), j < len);
+            if (j != j_own) cp_async16_zfill(buf + at(j, c), src + (j < len ? j * D + c * 8 : 0), j < len);
           }
       }
       cp_async_commit();
@@ -122,10 +141,43 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(
     copy_tiles(kb, kc + (pair * slots + s0) * D);
     copy_tiles(vb, vc + (pair * slots + s0) * D);
   }
+  __shared__ __align__(16) bf16 q_rot[kAttnMaxGroup * 128];
+  if (rope.y != nullptr) {
+    const bf16* yr = rope.y + static_cast<int64_t>(bi) * rope.y_stride;
+    const bf16* cr = rope.cos + static_cast<int64_t>(bi) * rope.cs_stride;
+    const bf16* sr = rope.sin + static_cast<int64_t>(bi) * rope.cs_stride;
+    // piece c of a head (8 columns) and its rotate_half partner c +- D / 16
+    auto rotated = [&](const bf16* head, int c) {
+      const int c2 = c < C::kPieces / 2 ? c + C::kPieces / 2 : c - C::kPieces / 2;
+      return rope_half(ld8(head + 8 * c), ld8(head + 8 * c2), ld8(cr + 8 * c), ld8(sr + 8 * c),
+                       c >= C::kPieces / 2);
+    };
+    // this block's query heads kvh * G ... into q_rot [G][D]
+    for (int p = tid; p < group * C::kPieces; p += kAttnThreads) {
+      const int hh = p / C::kPieces, c = p % C::kPieces;
+      st8(q_rot + hh * D + 8 * c, rotated(yr + static_cast<int64_t>(kvh * group + hh) * D, c));
+    }
+    // the step's own slot: the warp whose tile holds it makes the rotary k and the v row, into its buffers and the
+    // cache (its own lanes read that row after the __syncwarp below)
+    if (j_own >= 0 && warp == (j_own >> 4) % kAttnWarps) {
+      for (int p = lane; p < 2 * C::kPieces; p += 32) {
+        const bool is_k = p < C::kPieces;
+        const int c = is_k ? p : p - C::kPieces;
+        const bf16* head = yr + static_cast<int64_t>(rope.n_heads + (is_k ? 0 : n_kv) + kvh) * D;
+        const Vec8 v = is_k ? rotated(head, c) : ld8(head + 8 * c);
+        st8((is_k ? kc : vc) + (pair * slots + s_now) * D + 8 * c, v);
+        const uint4 u = *reinterpret_cast<const uint4*>(&v);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((is_k ? kb : vb) + at(j_own, c)),
+                     "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
+                     : "memory");
+      }
+    }
+    __syncthreads();  // (q_rot)
+  }
   // q as the A fragment: rows g < G (rows g + 8 are zero), columns 16 kk + 2t (+ 1) and 16 kk + 8 + 2t (+ 1)
   uint32_t qa[D / 16][2];
   {
-    const bf16* qp = q + (pair * group + g) * D + 2 * t;
+    const bf16* qp = (rope.y != nullptr ? q_rot + g * D : q + (pair * group + g) * D) + 2 * t;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       qa[kk][0] = g < group ? *reinterpret_cast<const uint32_t*>(qp + 16 * kk) : 0u;

@@ -454,6 +454,19 @@ __global__ void __launch_bounds__(kExpandThreads) lora_expand_kernel(const float
   }
 }
 
+// rotary of 8 columns of a head, x * cos + rotate_half(x) * sin with torch's bf16 roundings: partner holds the
+// columns D/2 away (rotate_half pairs column i with i + D/2), hi: these are the second half's columns
+__device__ __forceinline__ Vec8 rope_half(const Vec8& x, const Vec8& partner, const Vec8& c, const Vec8& s, bool hi) {
+  Vec8 o;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    // rotate_half(x) = cat(-x[half:], x[:half])
+    const float ps = hi ? f(partner.v[j]) * f(s.v[j]) : -f(partner.v[j]) * f(s.v[j]);
+    o.v[j] = b(f(b(f(x.v[j]) * f(c.v[j]))) + f(b(ps)));
+  }
+  return o;
+}
+
 // thread = (row, head, 8-wide chunk of the first half of head_dim): it writes that chunk and its partner in the
 // second half (rotate_half pairs element i with i + D/2)
 __global__ void rope_kv_kernel(const bf16* __restrict__ y, int64_t y_stride, const bf16* __restrict__ cos,
@@ -488,16 +501,8 @@ __global__ void rope_kv_kernel(const bf16* __restrict__ y, int64_t y_stride, con
   }
   const bf16* cr = cos + r * cs_stride;
   const bf16* sr = sin + r * cs_stride;
-  const Vec8 cl = ld8(cr + lo), ch = ld8(cr + hi), sl = ld8(sr + lo), sh = ld8(sr + hi);
-  Vec8 ol, oh;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    // rotate_half(x) = cat(-x[half:], x[:half])
-    ol.v[j] = b(f(b(f(xl.v[j]) * f(cl.v[j]))) + f(b(-f(xh.v[j]) * f(sl.v[j]))));
-    oh.v[j] = b(f(b(f(xh.v[j]) * f(ch.v[j]))) + f(b(f(xl.v[j]) * f(sh.v[j]))));
-  }
-  st8(dst + lo, ol);
-  st8(dst + hi, oh);
+  st8(dst + lo, rope_half(xl, xh, ld8(cr + lo), ld8(sr + lo), false));
+  st8(dst + hi, rope_half(xh, xl, ld8(cr + hi), ld8(sr + hi), true));
 }
 
 #include "decode_attn.cuh"
@@ -1054,20 +1059,21 @@ int64_t attn_wave(int dev, int64_t D) {
 }
 
 template <int D>
-void launch_decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
-                        const at::Tensor& slot, at::Tensor& out, int64_t splits, double scale, bool cluster) {
-  const int dev = q.get_device();
+void launch_decode_attn(const bf16* q, int64_t B, int64_t H, at::Tensor& kc, at::Tensor& vc,
+                        const at::Tensor& key_mask, const at::Tensor& slot, at::Tensor& out, int64_t splits,
+                        double scale, bool cluster, const AttnRope& rope) {
+  const int dev = kc.get_device();
   attn_smem_limit<D>(dev);
-  const int64_t B = q.size(0), KV = kc.size(1), group = q.size(1) / KV;
-  at::Tensor ws = splits > 1 && !cluster ? at::empty({B * KV * splits * kAttnRecord}, q.options().dtype(at::kFloat))
+  const int64_t KV = kc.size(1), group = H / KV;
+  at::Tensor ws = splits > 1 && !cluster ? at::empty({B * KV * splits * kAttnRecord}, kc.options().dtype(at::kFloat))
                                          : at::Tensor();
   C10_CUDA_CHECK(qerl_pdl::launch_cluster_dims(
       decode_attn_kernel<D>, dim3(static_cast<unsigned>(splits), static_cast<unsigned>(KV), static_cast<unsigned>(B)),
       dim3(kAttnThreads), AttnCfg<D>::kSmem, c10::cuda::getCurrentCUDAStream().stream(), dev,
-      dim3(cluster ? static_cast<unsigned>(splits) : 1u, 1, 1), cptr(q), cptr(kc), cptr(vc),
+      dim3(cluster ? static_cast<unsigned>(splits) : 1u, 1, 1), q, mptr(kc), mptr(vc),
       key_mask.data_ptr<bool>(), key_mask.stride(0), slot.data_ptr<int64_t>(), mptr(out),
-      ws.defined() ? ws.data_ptr<float>() : nullptr, attn_tickets(q), static_cast<int>(KV), static_cast<int>(group),
-      kc.size(2), static_cast<float>(scale * 1.4426950408889634), cluster ? 1 : 0, g_attn_late_trigger));
+      ws.defined() ? ws.data_ptr<float>() : nullptr, attn_tickets(kc), static_cast<int>(KV), static_cast<int>(group),
+      kc.size(2), static_cast<float>(scale * 1.4426950408889634), cluster ? 1 : 0, g_attn_late_trigger, rope));
 }
 
 // out [B, H * D] (any shape of that many elements, contiguous bf16) = one decode step's attention (see
@@ -1082,24 +1088,27 @@ void launch_decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Ten
 // blocks the clusters measured slower than the workspace, at batch 32 and 64 on the 7B heads, batch 8 on the 32B
 // heads). one_wave_only: false (nothing launched) unless the blocks fit one wave, where the kernel measured
 // faster than SDPA (with more, SDPA's flash kernel won or tied).
-bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& key_mask,
-                 const at::Tensor& slot, at::Tensor& out, double scale, int64_t splits_req, int64_t cluster_req,
-                 bool one_wave_only) {
+// a bf16 tensor on device dev, contiguous and 16-byte aligned (what decode_attn_kernel reads and writes)
+static bool attn_bf16(const at::Tensor& t, int dev) {
+  return t.is_cuda() && t.get_device() == dev && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
+         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// decode_attn and rope_decode_attn past their own inputs' checks: B rows of H query heads, q (null where rope
+// makes it)
+static bool decode_attn_run(const bf16* q, int64_t B, int64_t H, at::Tensor& kc, at::Tensor& vc,
+                            const at::Tensor& key_mask, const at::Tensor& slot, at::Tensor& out, double scale,
+                            int64_t splits_req, int64_t cluster_req, bool one_wave_only, const AttnRope& rope) {
   static const bool cluster_env = [] {
     const char* e = std::getenv("QERL_ATTN_CLUSTER");
     return !(e && e[0] == '0');
   }();
-  const int dev = q.get_device();
-  auto bf = [&](const at::Tensor& t) {
-    return t.is_cuda() && t.get_device() == dev && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
-           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  };
-  if (!bf(q) || !bf(kc) || !bf(vc) || !bf(out) || q.dim() != 4 || kc.dim() != 4 || kc.sizes() != vc.sizes())
+  const int dev = kc.get_device();
+  if (!attn_bf16(kc, dev) || !attn_bf16(vc, dev) || !attn_bf16(out, dev) || kc.dim() != 4 || kc.sizes() != vc.sizes())
     return false;
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = kc.size(1), S = kc.size(2);
-  if (q.size(2) != 1 || kc.size(0) != B || kc.size(3) != D || (D != 64 && D != 128) || KV < 1 || H % KV != 0 ||
-      H / KV > kAttnMaxGroup || out.numel() != B * H * D || B < 1 || B > 65535 || KV > 65535 ||
-      B * KV > kAttnMaxPairs || S < 1)
+  const int64_t D = kc.size(3), KV = kc.size(1), S = kc.size(2);
+  if (kc.size(0) != B || (D != 64 && D != 128) || KV < 1 || H % KV != 0 || H / KV > kAttnMaxGroup ||
+      out.numel() != B * H * D || B < 1 || B > 65535 || KV > 65535 || B * KV > kAttnMaxPairs || S < 1)
     return false;
   if (!key_mask.is_cuda() || key_mask.get_device() != dev || key_mask.scalar_type() != at::kBool ||
       key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) < S || key_mask.stride(1) != 1 ||
@@ -1108,7 +1117,7 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   const int64_t max_chunk = D == 128 ? AttnCfg<128>::kMaxChunk : AttnCfg<64>::kMaxChunk;
   const int64_t need = (S + max_chunk - 1) / max_chunk;  // splits that keep every block's slots in its buffers
   if (need > kAttnMaxSplits) return false;
-  const c10::cuda::CUDAGuard guard(q.device());
+  const c10::cuda::CUDAGuard guard(kc.device());
   const int64_t pairs = B * KV;
   // (device_supports: this build's sm_90 code runs on the device, so the cluster instructions are real)
   const bool cluster_ok = (cluster_req < 0 ? cluster_env : cluster_req > 0) && qerl_pdl::device_supports(dev);
@@ -1126,10 +1135,42 @@ bool decode_attn(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   if (splits > 1 && !cluster && pairs * splits * kAttnRecord > (int64_t(1) << 28)) return false;  // workspace > 1 GiB
   g_attn_last = cluster ? -splits : splits;
   if (D == 128)
-    launch_decode_attn<128>(q, kc, vc, key_mask, slot, out, splits, scale, cluster);
+    launch_decode_attn<128>(q, B, H, kc, vc, key_mask, slot, out, splits, scale, cluster, rope);
   else
-    launch_decode_attn<64>(q, kc, vc, key_mask, slot, out, splits, scale, cluster);
+    launch_decode_attn<64>(q, B, H, kc, vc, key_mask, slot, out, splits, scale, cluster, rope);
   return true;
+}
+
+bool decode_attn(const at::Tensor& q, at::Tensor& kc, at::Tensor& vc, const at::Tensor& key_mask,
+                 const at::Tensor& slot, at::Tensor& out, double scale, int64_t splits_req, int64_t cluster_req,
+                 bool one_wave_only) {
+  if (!attn_bf16(q, kc.get_device()) || q.dim() != 4 || q.size(2) != 1 || kc.dim() != 4 || q.size(3) != kc.size(3))
+    return false;
+  return decode_attn_run(cptr(q), q.size(0), q.size(1), kc, vc, key_mask, slot, out, scale, splits_req, cluster_req,
+                         one_wave_only, AttnRope{nullptr, 0, nullptr, nullptr, 0, 0});
+}
+
+// decode_attn with rope_kv's work in the same kernel (see csrc/decode_attn.cuh): y [B, (H + 2 KV) * D] rows (unit
+// column stride, 16-byte aligned rows) of the fused q/k/v projection of the step's token, cos / sin [B, D] rows;
+// the rotary k and v of the step's slot also go into the caches, as rope_kv writes them. False (nothing launched,
+// nothing written) where decode_attn would decline or y, cos, sin do not fit.
+bool rope_decode_attn(const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads,
+                      at::Tensor& kc, at::Tensor& vc, const at::Tensor& key_mask, const at::Tensor& slot,
+                      at::Tensor& out, double scale, int64_t splits_req, int64_t cluster_req, bool one_wave_only) {
+  const int dev = kc.get_device();
+  auto rows = [&](const at::Tensor& t) {
+    return t.is_cuda() && t.get_device() == dev && t.scalar_type() == at::kBFloat16 && t.dim() == 2 &&
+           t.stride(1) == 1 && t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  if (kc.dim() != 4 || !rows(y) || !rows(cos) || !rows(sin) || cos.sizes() != sin.sizes() ||
+      cos.stride(0) != sin.stride(0) || n_heads < 1)
+    return false;
+  const int64_t B = kc.size(0), KV = kc.size(1), D = kc.size(3);
+  if (y.size(0) != B || y.size(1) != (n_heads + 2 * KV) * D || cos.size(0) != B || cos.size(1) != D)
+    return false;
+  return decode_attn_run(nullptr, B, n_heads, kc, vc, key_mask, slot, out, scale, splits_req, cluster_req,
+                         one_wave_only, AttnRope{cptr(y), y.stride(0), cptr(cos), cptr(sin), cos.stride(0),
+                                                 static_cast<int>(n_heads)});
 }
 
 // one self-resetting ticket per row for sample_step_kernel, per (device, stream) (launches on one stream are
@@ -1219,6 +1260,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "does not take the tensors",
         py::arg("q"), py::arg("kc"), py::arg("vc"), py::arg("key_mask"), py::arg("slot"), py::arg("out"),
         py::arg("scale"), py::arg("splits") = 0, py::arg("cluster") = -1, py::arg("one_wave_only") = false);
+  m.def("rope_decode_attn", &qerl_fused::rope_decode_attn,
+        "decode_attn with rope_kv's rotary and cache write of the step's fused q/k/v row in the same kernel; false "
+        "when the kernel does not take the tensors",
+        py::arg("y"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("kc"), py::arg("vc"),
+        py::arg("key_mask"), py::arg("slot"), py::arg("out"), py::arg("scale"), py::arg("splits") = 0,
+        py::arg("cluster") = -1, py::arg("one_wave_only") = false);
   m.def("decode_attn_last_splits", [] { return qerl_fused::g_attn_last; },
         "the last decode_attn launch's splits, negative when they were added in a thread-block cluster");
   m.def("set_attn_late_trigger", [](bool on) { qerl_fused::g_attn_late_trigger = on ? 1 : 0; },

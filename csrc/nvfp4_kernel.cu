@@ -1568,12 +1568,39 @@ static int aligned_warps(int64_t M, int64_t n, int64_t k) {  // 8 or 10 (the fir
   return aligned_splits((NT + 9) / 10, KT, cap10) > 0 ? 10 : 0;
 }
 
+// whether a v2w8 launch of M <= 8 * TG rows of an n x k weight on this device gets an aligned grid whose split-K
+// sums run in thread-block clusters (launch_mma_v2's conditions for its CL instance)
+template <int TG>
+static bool aligned_w8_clusters(int64_t M, int64_t n, int64_t k) {
+  if (!g_v2_aligned || !g_v2_cluster || M > 8 * TG) return false;
+  const int dev = c10::cuda::current_device();
+  if (!qerl_pdl::device_supports(dev)) return false;
+  const int64_t NT = (n + 15) / 16, KT = (k + 63) / 64, RG = (NT + 7) / 8;
+  const size_t smem = (size_t)2 * std::min<int64_t>(8 * TG, M + 1) * (8 * 64 + 8) * sizeof(__nv_bfloat16);
+  auto kern = nvfp4_mma_v2_kernel<TG, 1, 4, 8, 2, 2, 8>;
+  auto ckern = nvfp4_mma_v2_kernel<TG, 1, 4, 8, 2, 2, 8, false, true>;
+  const int occ = resident_ctas(kern, 8 * 32, smem, dev);
+  const int sa = aligned_splits(RG, KT, (int64_t)num_sms(dev) * occ);
+  return sa >= 2 && sa <= kMaxClusterSplit && resident_ctas(ckern, 8 * 32, smem, dev) == occ &&
+         v2_clusters_fit(ckern, 8 * 32, smem, sa, RG, dev);
+}
+
 // auto_variant refined on the device (SM count and occupancy): v2w10 where only its row groups align; the
 // q/k/v- and o-sized weights that auto_variant gives v2w8 for its aligned grid (M <= 8) keep the v1 kernel where
-// no such grid forms
+// no such grid forms.
+// Session 22 on the H100 (benchmarks/results/s22/part54_kernel_h100.json, every variant in one run): every weight
+// of >= 1e7 entries whose v2w8 grid aligns is fastest with v2w8 at M <= 8, and at 8 < M <= 16 where that grid's
+// sums run in clusters: 32B q/k/v 11.9 / 12.3 us at M = 1 / 8 against 14.1 / 15.1 for v2, 14.5 at M = 16 against
+// 18.0 for default; 32B o 12.8 at M = 16 against 14.0 for alt; 7B o 8.6 at M = 16 against 10.5. The 7B q/k/v's
+// clusters of 7 do not fit, and at M = 16 its workspace sums lose to alt (11.7 against 10.4 us): it keeps alt.
 static int auto_choice(int64_t M, int64_t n, int64_t k) {
   const int v = auto_variant(M, n, k);
-  if (v != 4 || M > 16) return v;
+  if (M > 16) return v;
+  if (v != 4) {
+    const bool w8 = g_v2_aligned && n * k >= kV2AlignedMinWeights &&
+                    (M <= 8 ? aligned_warps<1>(M, n, k) == 8 : aligned_w8_clusters<2>(M, n, k));
+    return w8 ? 4 : v;
+  }
   const int w = M <= 8 ? aligned_warps<1>(M, n, k) : aligned_warps<2>(M, n, k);
   if (w == 10) return 5;
   if (w == 0 && M <= 8 && n * k < kV2W8MinWeights && n < kV2MinRows) return 0;

@@ -225,18 +225,20 @@ PROMPTS = [[1, 20, 300, 41, 77, 901, 12], [1, 3000, 4], [1, 9, 8, 7, 6, 5, 4, 3,
 
 @pytest.mark.parametrize("mode", [True, "wave"])
 def test_engine_decode_attn_same_policy(model64, monkeypatch, mode):
-    """The engine's decode steps with the kernel (counted; everywhere, or only where its blocks fit one wave: all of
+    """The engine's decode steps with the kernel (counted, with the rotary inside or not; everywhere, or only where its blocks fit one wave: all of
     these small steps) against SDPA: greedy tokens agreeing, sampled tokens' behaviour log-probs against a
     teacher-forced forward within the bounds of the SDPA engine; a declined call falls back to SDPA with the mask
     built on the spot (the same tokens as SDPA)."""
     calls = []
-    real = fused.decode_attn
 
-    def counted(*a, **k):
-        calls.append(k.get("one_wave_only", False))
-        return real(*a, **k)
+    def counting(real):
+        def counted(*a, **k):
+            calls.append(k.get("one_wave_only", False))
+            return real(*a, **k)
+        return counted
 
-    monkeypatch.setattr(fused, "decode_attn", counted)
+    monkeypatch.setattr(fused, "decode_attn", counting(fused.decode_attn))
+    monkeypatch.setattr(fused, "rope_decode_attn", counting(fused.rope_decode_attn))
     on, off = Engine(model64, "cuda"), Engine(model64, "cuda")
     on.decode_attn, off.decode_attn = mode, False
     assert on._decode_attn_ok() and not off._decode_attn_ok()
@@ -259,6 +261,7 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch, mode):
     beh = (lp.cpu() - s.behaviour_logprobs).abs()[s.completion_mask]
     assert torch.isfinite(beh).all() and float(beh.max()) < 0.25 and float(beh.mean()) < 0.03
     monkeypatch.setattr(fused, "decode_attn", lambda *a, **k: None)  # the kernel declines every call
+    monkeypatch.setattr(fused, "rope_decode_attn", lambda *a, **k: None)
     declining = Engine(model64, "cuda")
     declining.decode_attn = True
     declined = declining.generate(PROMPTS, 2, cfg, 0, set(), 0)
@@ -278,3 +281,98 @@ def test_rope_table_rows_are_the_rotary_modules_bits(model64):
     assert torch.equal(cos, c2) and torch.equal(sin, s2)
     c3, _ = eng._cos_sin(x, pos, [(torch.empty(1, 1, 301, 1), None)])  # a cache longer than the table: the module
     assert torch.equal(cos, c3)
+
+
+def _rope_case(b, h, kv, d, s_len, slot, seed=0):
+    """A decode step's fused q/k/v row ``y [b, 1, (h + 2 kv) d]``, cos / sin ``[b, 1, d]`` of a position per row,
+    and _case's caches, mask and slot; the step's own slot holds NaN in the caches (it must be written)."""
+    _, kc, vc, key_mask, sl = _case(b, h, kv, d, s_len, slot, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 100)
+    y = torch.randn(b, 1, (h + 2 * kv) * d, device="cuda", generator=g).bfloat16()
+    pos = torch.randint(0, 4096, (b, 1, 1), device="cuda", generator=g).float()
+    inv = 10000.0 ** (-torch.arange(0, d, 2, device="cuda").float() / d)
+    ang = torch.cat([pos * inv, pos * inv], -1)
+    return y, ang.cos().bfloat16(), ang.sin().bfloat16(), kc, vc, key_mask, sl
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality, NaN payloads included (torch.equal calls NaN unequal)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("b,h,kv,d,s_len,slot", [
+    (8, 28, 4, 128, 768, 300),     # Qwen2.5-7B, batch 8
+    (8, 28, 4, 128, 768, 767),     # the cache's last slot
+    (8, 28, 4, 128, 768, 0),       # the first slot (only the own slot)
+    (64, 28, 4, 128, 768, 511),    # batch 64 (more blocks than a wave: workspace sums)
+    (3, 9, 3, 64, 384, 200),       # SmolLM2-135M (head_dim 64)
+    (1, 40, 8, 128, 2048, 1500),   # Qwen2.5-32B heads
+    (2, 8, 8, 128, 4096, 4095),    # one query head per KV head, many splits
+])
+@pytest.mark.parametrize("cluster", [None, False])
+def test_rope_decode_attn_equals_rope_kv_then_decode_attn(b, h, kv, d, s_len, slot, cluster):
+    """The rotary and the step's cache write inside the attention kernel give the bits of rope_kv followed by
+    decode_attn: in the output (NaN-poisoned beforehand) and in both caches (the own slot written, nothing else
+    touched), with the splits' sums in a cluster or through the workspace, and forced split counts."""
+    y, cos, sin, kc, vc, key_mask, sl = _rope_case(b, h, kv, d, s_len, slot, seed=slot + b)
+    for splits in (0, 3, 8):
+        kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        q = fused.rope_kv(y, cos, sin, kc1, vc1, sl, h)
+        two = fused.decode_attn(q, kc1, vc1, key_mask, sl, splits=splits, cluster=cluster)
+        one = fused.rope_decode_attn(y, cos, sin, kc2, vc2, key_mask, sl, h, splits=splits, cluster=cluster)
+        assert two is not None and one is not None, splits
+        assert not torch.isnan(one).any()
+        assert torch.equal(one, two), splits
+        assert _same_bits(kc1, kc2) and _same_bits(vc1, vc2), splits
+        assert not torch.isnan(kc2[:, :, slot]).any() and not torch.isnan(vc2[:, :, slot]).any()
+    ref = _reference(q, kc1, vc1, key_mask, slot)
+    assert float(((one.float() - ref).abs() - 2**-8 * ref.abs()).max()) <= 1e-5
+
+
+def test_rope_decode_attn_graph_replay_and_declines():
+    """A CUDA graph of the fused step captured at one slot replays for others as the eager call there (output and
+    caches); where the kernel does not take the inputs it returns None and writes nothing."""
+    y, cos, sin, kc, vc, key_mask, sl = _rope_case(8, 28, 4, 128, 768, 700, seed=7)
+    kc, vc = kc.nan_to_num(0.5), vc.nan_to_num(0.5)
+    slot = torch.tensor([257], device="cuda")
+    kg, vg = kc.clone(), vc.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused.rope_decode_attn(y, cos, sin, kg, vg, key_mask, slot, 28)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused.rope_decode_attn(y, cos, sin, kg, vg, key_mask, slot, 28)
+    for s in (257, 300, 511, 767):
+        slot.fill_(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        ke, ve = kc.clone(), vc.clone()
+        for w in (257, 300, 511, 767):  # the slots the replays so far wrote, in the same order
+            ke_out = fused.rope_decode_attn(y, cos, sin, ke, ve, key_mask, torch.tensor([w], device="cuda"), 28)
+            if w == s:
+                break
+        assert torch.equal(captured, ke_out), s
+        assert _same_bits(kg, ke) and _same_bits(vg, ve), s
+    before_k, before_v = kc.clone(), vc.clone()
+    assert fused.rope_decode_attn(y.repeat(1, 2, 1), cos.repeat(1, 2, 1), sin.repeat(1, 2, 1), kc, vc, key_mask, sl,
+                                  28) is None  # two tokens per row
+    assert fused.rope_decode_attn(y[..., :-128].contiguous(), cos, sin, kc, vc, key_mask, sl, 28) is None  # width
+    assert fused.rope_decode_attn(y, cos.float(), sin.float(), kc, vc, key_mask, sl, 28) is None  # fp32 cos / sin
+    assert fused.rope_decode_attn(y, cos, sin, kc, vc, key_mask[:, :30], sl, 28) is None  # a short mask
+    assert _same_bits(kc, before_k) and _same_bits(vc, before_v)
+
+
+def test_engine_rope_in_attn_same_bits(model64):
+    """The engine with the rotary inside the attention kernel (the default) samples the same tokens with the same
+    behaviour log-probs as with rope_kv + decode_attn (the same bits in every step), in its CUDA graph."""
+    on, off = Engine(model64, "cuda"), Engine(model64, "cuda")
+    on.decode_attn = off.decode_attn = "wave"
+    assert on.rope_in_attn
+    off.rope_in_attn = False
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24)
+    a = on.generate(PROMPTS, 4, cfg, 11, set(), 0)
+    b = off.generate(PROMPTS, 4, cfg, 11, set(), 0)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)

@@ -336,8 +336,9 @@ def test_gpu_row_counts_shrinking_and_growing():
 
 @pytest.mark.gpu
 def test_gpu_auto_variant_rules():
-    """auto's per-shape choice, as measured on the H200 (sessions 9 and 12's rules in ``auto_variant``), for the
-    Qwen2.5 7B and 32B decode shapes."""
+    """auto's per-shape choice, as measured on the H200 (sessions 9 and 12's rules in ``auto_variant``) and refined
+    on the device by the H100 measurements of sessions 21 and 22 (``auto_choice``), for the Qwen2.5 7B and 32B
+    decode shapes."""
     _need_kernel()
     ext = kernel._load()
     v = kernel.VARIANTS
@@ -350,17 +351,23 @@ def test_gpu_auto_variant_rules():
     gu7_small = "v2w10" if _aligned_splits(296, 56, cap) == 0 and _aligned_splits(237, 56, cap) > 0 else "v2w8"
     qkv7_small = "v2w8" if _aligned_splits(36, 56, cap) > 0 else "default"
     o7_small = "v2w8" if _aligned_splits(28, 56, cap) > 0 else "default"
+    # session 22: v2w8 also where its aligned grid forms at M <= 8 (32B q/k/v), and at 8 < M <= 16 where that
+    # grid's split sums run in clusters (asked of the device: a forced v2w8 launch at M = 16)
+    qkv32_small = "v2w8" if _aligned_splits(56, 80, cap) > 0 else "v2"
+    cl16 = {s: _w8_clusters_at(16, *s) for s in (qkv7, o7, qkv32, o32)}
     expect = {  # M range -> shape -> variant
-        (1, 8): {qkv7: qkv7_small, o7: o7_small, gu7: gu7_small, dn7: "v2w8", qkv32: "v2", o32: "v2w8", gu32: "v2w8",
-                 dn32: "v2w8"},
-        (9, 16): {qkv7: "alt", o7: "alt", gu7: gu7_small, dn7: "v2w8", qkv32: "default", o32: "alt", gu32: "v2w8",
-                  dn32: "v2w8"},
+        (1, 8): {qkv7: qkv7_small, o7: o7_small, gu7: gu7_small, dn7: "v2w8", qkv32: qkv32_small, o32: "v2w8",
+                 gu32: "v2w8", dn32: "v2w8"},
+        (9, 16): {qkv7: "v2w8" if cl16[qkv7] else "alt", o7: "v2w8" if cl16[o7] else "alt", gu7: gu7_small,
+                  dn7: "v2w8", qkv32: "v2w8" if cl16[qkv32] else "default", o32: "v2w8" if cl16[o32] else "alt",
+                  gu32: "v2w8", dn32: "v2w8"},
         (17, 32, 33, 64): {qkv7: "default", o7: "default", gu7: "v2w8", dn7: "v2", qkv32: "default",
                            o32: "default", gu32: "v2w8", dn32: "v2w8"},
     }
-    aligned_before = bool(ext.get_v2_aligned())
+    aligned_before, cluster_before = bool(ext.get_v2_aligned()), bool(ext.get_v2_cluster())
     try:
         kernel.set_v2_aligned(True)
+        kernel.set_v2_cluster(True)
         for ms, table in expect.items():
             for m in ms:
                 for (n, k), name in table.items():
@@ -370,7 +377,27 @@ def test_gpu_auto_variant_rules():
         assert [int(ext.auto_variant(8, n, k)) for n, k in (qkv7, o7, gu7, dn7)] == [v["default"], v["default"],
                                                                                    v["v2w8"], v["v2w8"]]
     finally:
+        kernel.set_v2_cluster(cluster_before)
         kernel.set_v2_aligned(aligned_before)
+
+
+def _w8_clusters_at(m: int, n: int, k: int) -> bool:
+    """Whether a v2w8 launch of ``m`` rows of an ``n x k`` weight runs its split sums in clusters on this device
+    (aligned grids and cluster sums on)."""
+    ext = kernel._load()
+    before, aligned_before, cluster_before = kernel.variant(), bool(ext.get_v2_aligned()), bool(ext.get_v2_cluster())
+    try:
+        kernel.set_variant("v2w8")
+        kernel.set_v2_aligned(True)
+        kernel.set_v2_cluster(True)
+        qw, gs = make_packed(n, k, device="cuda", seed=1)
+        kernel.linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qw, gs, n, k)
+        torch.cuda.synchronize()
+        return int(ext.last_v2_cluster()) > 0
+    finally:
+        kernel.set_v2_cluster(cluster_before)
+        kernel.set_v2_aligned(aligned_before)
+        kernel.set_variant(before)
 
 
 def _replay_equals_eager(call, out: torch.Tensor) -> bool:

@@ -526,6 +526,10 @@ class Engine:
         if mode not in ("0", "1", "wave", "auto"):
             raise QerlError(f"QERL_ENGINE_DECODE_ATTN must be 0, 1, wave or auto, not {mode!r}.")
         self.decode_attn: bool | str = mode if mode in ("wave", "auto") else mode == "1"
+        # where decode steps attend with our kernel, the rotary of q and k and the step's cache write ride in it
+        # (fused.rope_decode_attn: one kernel instead of rope_kv + decode_attn, the same bits);
+        # QERL_ENGINE_ROPE_IN_ATTN=0 (or False) keeps the two kernels
+        self.rope_in_attn = os.environ.get("QERL_ENGINE_ROPE_IN_ATTN", "1") != "0"
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -821,10 +825,15 @@ class Engine:
         qkn = self.qk_norm[i] if self.qk_norm is not None else None
         if kernels and f is not None and cache is not None and self.head_dim % 16 == 0 and qkn is None:
             kc, vc = cache[i]
-            q = _fk.rope_kv(self._fused_out(f, x, shrunk), cos, sin, kc, vc, slots[:1], self.n_heads)
+            y = self._fused_out(f, x, shrunk)
+            wave = self._decode_attn_mode() == "wave"
+            if key_mask is not None and t == 1 and self.rope_in_attn:
+                o = _fk.rope_decode_attn(y, cos, sin, kc, vc, key_mask, slots[:1], self.n_heads, one_wave_only=wave)
+                if o is not None:
+                    return self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
+            q = _fk.rope_kv(y, cos, sin, kc, vc, slots[:1], self.n_heads)
             if key_mask is not None and t == 1:
-                o = _fk.decode_attn(q, kc, vc, key_mask, slots[:1],
-                                    one_wave_only=self._decode_attn_mode() == "wave")
+                o = _fk.decode_attn(q, kc, vc, key_mask, slots[:1], one_wave_only=wave)
                 if o is not None:
                     return self._linear(attn.o_proj, pre + "self_attn.o_proj", o)
             k, v = kc, vc

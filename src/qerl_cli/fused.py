@@ -235,6 +235,27 @@ def decode_attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_mask: t
     return out if ok else None
 
 
+def rope_decode_attn(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                     key_mask: torch.Tensor, slot: torch.Tensor, n_heads: int, scale: float | None = None,
+                     splits: int = 0, cluster: bool | None = None, one_wave_only: bool = False) -> torch.Tensor | None:
+    """``rope_kv`` then ``decode_attn`` in one kernel, for one decode step (T = 1): from the fused q/k/v output
+    ``y [B, 1, (H + 2 KV) * D]`` and the step's ``cos, sin [B, 1, D]``, the attention ``[B, 1, H * D]`` with the
+    rotary k and v of slot ``slot`` written into the caches as ``rope_kv`` writes them (the same bits in both).
+    None (nothing computed, nothing written) where ``decode_attn`` would decline or the inputs do not fit; the
+    arguments after ``n_heads`` are ``decode_attn``'s."""
+    if splits < 0:
+        raise ValueError(f"rope_decode_attn: splits must be >= 0, got {splits}")
+    b, t, width = y.shape
+    d = kc.shape[-1]
+    if t != 1:
+        return None
+    out = torch.empty((b, 1, n_heads * d), dtype=y.dtype, device=y.device)
+    ok = _load().rope_decode_attn(y.reshape(b, width), cos.reshape(b, d), sin.reshape(b, d), int(n_heads), kc, vc,
+                                  key_mask, slot.reshape(1), out, float(d ** -0.5 if scale is None else scale),
+                                  int(splits), -1 if cluster is None else int(bool(cluster)), bool(one_wave_only))
+    return out if ok else None
+
+
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: torch.Tensor,
              segs: tuple[int, ...] = ()) -> torch.Tensor | None:
     """``y + bf16(x @ a^T) @ bs`` for bf16 ``x [M, K]``, ``a [R, K]``, ``y [M, N]``, ``bs [R, N]`` (contiguous,
