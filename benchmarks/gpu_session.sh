@@ -139,6 +139,9 @@
 #                                  GPU tests (the rotary inside the attention kernel; auto's v2w8 rule at M <= 16),
 #                                  the 7B-shape rollouts with the rotary inside against rope_kv + decode_attn
 #                                  (bench_rollout.py --rope-in-attn), the kernel bench (7B and 32B, M = 1, 8, 16)
+#   56                             session 22 (sm_90a code only): build, the slab kernel's GPU tests with the small-M,
+#                                  auto, bias, graph and LoRA-term ones, the kernel bench (7B and 32B, M = 1, 8, 16:
+#                                  a slab column), the 7B-shape rollouts with and without it (bench_rollout --slab)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a
 #                                  rank-32 adapter (the short end of a session's device budget)
 #   4  [SEEDS]                     held-out evals of every trained arm and the matrix report (paired tests, arms
@@ -720,6 +723,21 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
     --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
   tail -n 16 "$OUT/bench_kernel.log"; stamp 55 "kernel bench done"
+  ;;
+56)
+  # session 22: the slab kernel (one CTA per row block over the whole K; auto's choice for q/k/v and o at M <= 16)
+  sm90_start
+  build; stamp 56 "build done"
+  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_lora_in_kernel_gpu.py -k "slab or auto_variant or small_m or cluster_sums or bias or graph or pdl_chain" \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 56 "GPU tests done"
+  timeout 100 python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b --ms "${MS:-1,8,16}" \
+    --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  tail -n 26 "$OUT/bench_kernel.log"; stamp 56 "kernel bench done"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --slab \
+    --json "$OUT/rollout_7b_slab.json" 2>&1 | tee "$OUT/bench_rollout_7b_slab.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 56 "rollouts done"
   ;;
 54)
   export QERL_KERNEL_ARCH_FLAGS="-gencode=arch=compute_90a,code=sm_90a"
