@@ -152,7 +152,6 @@ def main() -> int:
                 out.fill_(float("nan"))
                 kernel.linear(x, qws[0], gs, n, k, out=out)
                 path = kernel.last_backend()
-                ours_slab = bool(ext.last_slab()) if path == kernel.BACKEND_KERNEL else False
                 ref = x.float() @ w32.t() if m <= 1024 else None
                 err = float((out.float() - ref).norm() / ref.norm()) if ref is not None else None
                 nan = bool(torch.isnan(out).any())
@@ -165,7 +164,7 @@ def main() -> int:
                        "ours_us": ours * 1e6, "cublas_us": cublas * 1e6, "speedup": cublas / ours,
                        "weight_gbps": weight_bytes / ours / 1e9, "pct_copy_bw": 100 * weight_bytes / ours / copy_bw,
                        "tflops": 2 * m * n * k / ours / 1e12, "cublas_tflops": 2 * m * n * k / cublas / 1e12,
-                       "rel_err": err, "nan": nan, "ours_slab": ours_slab}
+                       "rel_err": err, "nan": nan}
                 if m <= kernel.large_m_threshold():  # the same calls without programmatic dependent launch
                     kernel.set_pdl(False)
                     row["ours_nopdl_us"] = 1e6 * time_graph(lambda i: kernel.linear(x, qws[i], gs, n, k, out=out), cq,
@@ -191,14 +190,9 @@ def main() -> int:
 
                 if m <= 64:  # every forced small-M variant side by side: alternative configuration, v2, default
                     for key, code in (("alt_variant_us", 1), ("v2_us", 2), ("default_variant_us", 0),
-                                      ("v2w8_us", 4), ("v2w10_us", 5), ("slab_us", 6)):
-                        if code == ours_code or (code in (2, 4, 5, 6) and m > 16):  # (forced up to M = 16 here)
+                                      ("v2w8_us", 4), ("v2w10_us", 5)):
+                        if code == ours_code or (code in (2, 4, 5) and m > 16):  # (forced up to M = 16 here)
                             continue
-                        if code == 6:  # whether the slab kernel takes this launch (else v2w8 runs: no column)
-                            ext.set_variant(6)
-                            ext.linear_out(x, qws[0], gs, n, k, out, 0)
-                            if not int(ext.last_slab()):
-                                continue
                         ext.set_variant(code)
                         if key == "v2_us":  # correctness of v2 on the same poisoned-output check
                             out.fill_(float("nan"))
@@ -238,7 +232,6 @@ def main() -> int:
                 alt += f"  dflt {row['default_variant_us']:6.1f}" if "default_variant_us" in row else ""
                 alt += f"  v2w8 {row['v2w8_us']:6.1f}" if "v2w8_us" in row else ""
                 alt += f"  v2w10 {row['v2w10_us']:6.1f}" if "v2w10_us" in row else ""
-                alt += f"  slab {row['slab_us']:6.1f}" if "slab_us" in row else ""
                 if "alt_nocluster_us" in row:
                     alt += (f"  no-cluster alt {row['alt_nocluster_us']:6.1f} (S {row['alt_nocluster_split']} vs "
                             f"{row['alt_split']}) dflt {row['default_nocluster_us']:6.1f} (S "

@@ -242,9 +242,6 @@ def main() -> None:
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the stream-K kernels' row-group-aligned "
                          "grids (the default) against the default grids, interleaved three times, then once each "
                          "with a rank-32 adapter")
-    ap.add_argument("--slab", action="store_true",
-                    help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: auto with the slab kernel for q/k/v and o "
-                         "(the default) against without, interleaved three times")
     ap.add_argument("--rope-in-attn", action="store_true",
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: rotary and the cache write inside the decode "
                          "attention kernel (the default) against rope_kv + decode_attn, interleaved three times, "
@@ -300,8 +297,6 @@ def main() -> None:
         silu_part(rows, save)
     elif args.rope_in_attn:
         rope_attn_part(rows, save)
-    elif args.slab:
-        slab_part(rows, save)
     elif args.v2_aligned:
         aligned_part(rows, save)
     elif args.v2_cluster:
@@ -525,26 +520,6 @@ def rope_attn_part(rows, save) -> None:
         rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + (" attn:wave" if attn else " sdpa"),
                      "batch": 8, **time_engine(big, 8, 256, 512, 152064, lora_rank=32, decode_attn=attn)})
         save()
-
-
-def slab_part(rows, save) -> None:
-    """auto with the slab kernel for the q/k/v and o weights (kernel.set_slab, session 22) against without,
-    interleaved three times: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens, no adapter (a LoRA term never rides
-    in the slab kernel). Each run captures its own decode graph."""
-    from qerl_cli import kernel
-
-    big = pack_model_inplace(random_model(qwen7b_config()))
-    gc.collect()
-    torch.cuda.empty_cache()
-    try:
-        for _ in range(3):
-            for on in (True, False):
-                kernel.set_slab(on)
-                rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " no-slab"),
-                             "batch": 8, **time_engine(big, 8, 256, 512, 152064)})
-                save()
-    finally:
-        kernel.set_slab(True)
 
 
 def aligned_part(rows, save, cluster: bool = False) -> None:

@@ -139,7 +139,8 @@
 #                                  GPU tests (the rotary inside the attention kernel; auto's v2w8 rule at M <= 16),
 #                                  the 7B-shape rollouts with the rotary inside against rope_kv + decode_attn
 #                                  (bench_rollout.py --rope-in-attn), the kernel bench (7B and 32B, M = 1, 8, 16)
-#   56                             session 22 (sm_90a code only): build, the slab kernel's GPU tests with the small-M,
+#   56                             session 22, commit 4a0f39d only (the slab kernel was dropped after this run: slower
+#                                  than v2w8 everywhere): build, the slab kernel's GPU tests with the small-M,
 #                                  auto, bias, graph and LoRA-term ones, the kernel bench (7B and 32B, M = 1, 8, 16:
 #                                  a slab column), the 7B-shape rollouts with and without it (bench_rollout --slab)
 #   8                              session 5: build, then only the 7B-shape rollout at batch 8 without and with a

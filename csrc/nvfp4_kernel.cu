@@ -1013,184 +1013,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// nvfp4_slab_kernel ("slab", set_variant(6)): small-M kernel for weights whose K fits one CTA's shared memory
-// (K <= kSlabMaxKT * 64; the q/k/v and o projections) and whose row blocks fit one wave. One CTA per row block
-// (16 rows) over the whole K, so no split-K sum leaves the CTA (no workspace, ticket or cluster):
-//   * before its PDL wait the CTA's thread 0 asks the copy engine (cp.async.bulk, sm_90) for the row block's whole
-//     slab of records (contiguous: KT * 576 bytes), one bulk copy and one mbarrier per chunk of 8 K tiles, so every
-//     byte of the weight is requested at once, while the kernel before still runs (the packed weights are never
-//     written by a kernel that triggers early: pdl.cuh);
-//   * after the wait the activations are staged chunk by chunk (cp.async, double-buffered, as in the stream-K
-//     kernel); warp w takes the chunk's K tiles w, w + NW, ... from the slab in shared memory, with the stream-K
-//     kernel's decode and MMA arithmetic;
-//   * the NW warps' fp32 partials are added in warp order through shared memory and written once in bf16.
-// Session 22. Bit for bit it differs from the other kernels only in the fp32 order of its sums.
-constexpr int kSlabMaxKT = 80;     // K tiles of 64 (K <= 5120: a 46 KB slab)
-constexpr int kSlabChunk = 8;      // K tiles per chunk (per mbarrier, per activation stage)
-constexpr int kSlabMaxChunks = kSlabMaxKT / kSlabChunk;
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#endif
-}
-// bytes (a multiple of 16) from global src (16-byte aligned) into shared dst, completing on mbarrier bar
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-#endif
-}
-// a lane's share of one tile record from shared memory (the same words as load_tile_at from global memory)
-__device__ __forceinline__ void load_tile_smem(WTile& w, uint32_t rec, int lane) {
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(w.c.x), "=r"(w.c.y), "=r"(w.c.z), "=r"(w.c.w)
-               : "r"(rec + 16u * (uint32_t)lane));
-  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w.s.x), "=r"(w.s.y) : "r"(rec + (uint32_t)kCodeBytes + 8u * (uint32_t)(lane >> 2)));
-}
-
-template <int TG, int NW>
-__global__ void __launch_bounds__(NW * 32) nvfp4_slab_kernel(const __nv_bfloat16* __restrict__ x,
-                                                             const uint8_t* __restrict__ qw,
-                                                             const float* __restrict__ gscale,
-                                                             const __nv_bfloat16* __restrict__ bias,
-                                                             __nv_bfloat16* __restrict__ out, int M, int N, int K,
-                                                             int NT, int KT) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  QERL_TL_BEGIN
-  qerl_pdl::trigger();
-  constexpr int MP = 8 * TG;
-  constexpr int LDX = kSlabChunk * 64 + 8;  // staged activation row stride (elements)
-  extern __shared__ __align__(128) unsigned char slab_smem[];
-  __shared__ __align__(8) uint64_t bars[kSlabMaxChunks];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rb = blockIdx.x;
-  const int nchunks = (KT + kSlabChunk - 1) / kSlabChunk;
-  const uint32_t slab = static_cast<uint32_t>(__cvta_generic_to_shared(slab_smem));
-  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
-  const int slab_bytes = ((KT * kRecordBytes + 127) / 128) * 128;
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(slab_smem + slab_bytes);
-  const uint32_t xs_base = slab + (uint32_t)slab_bytes;
-  const int mslice = min(M, MP);
-  const int rows_alloc = mslice < MP ? mslice + 1 : MP;
-  const int CHUNK = rows_alloc * LDX;
-
-  if (tid == 0) {
-    for (int c = 0; c < nchunks; ++c) mbar_init(bar0 + 8u * (uint32_t)c, 1u);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    const uint8_t* src = qw + (size_t)rb * KT * kRecordBytes;
-    for (int c = 0; c < nchunks; ++c) {
-      const int tiles = min(kSlabChunk, KT - c * kSlabChunk);
-      bulk_copy(slab + (uint32_t)(c * kSlabChunk * kRecordBytes), src + (size_t)c * kSlabChunk * kRecordBytes,
-                (uint32_t)(tiles * kRecordBytes), bar0 + 8u * (uint32_t)c);
-    }
-  }
-  if (mslice < MP) {  // the zero row (token rows past M read it) of both staging buffers
-    for (int i = tid; i < 2 * (LDX / 8); i += NW * 32)
-      *reinterpret_cast<uint4*>(xs + (i / (LDX / 8)) * CHUNK + mslice * LDX + (i % (LDX / 8)) * 8) =
-          make_uint4(0, 0, 0, 0);
-  }
-  uint32_t lrow_off[TG];
-#pragma unroll
-  for (int q = 0; q < TG; ++q)
-    lrow_off[q] = (uint32_t)((min(q * 8 + (lane & 7), mslice) * LDX + 8 * (lane >> 3)) * 2);
-  const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
-  __syncthreads();  // (the mbarriers' init, before anyone waits on them)
-  qerl_pdl::wait();  // the activations are the previous kernel's output
-  QERL_TL_WAITED
-
-  auto stage = [&](int c) {
-    const int kb = c * kSlabChunk * 64;
-    const uint32_t sb = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
-    const int segs = mslice * kSlabChunk * 8;
-    for (int i = tid; i < segs; i += NW * 32) {
-      const int m = i / (kSlabChunk * 8), sgi = i % (kSlabChunk * 8);
-      const int kk = kb + sgi * 8;
-      const bool valid = kk < K;
-      cp_async16(sb + (uint32_t)((m * LDX + sgi * 8) * 2), valid ? x + (size_t)m * K + kk : x, valid);
-    }
-    cp_async_commit();
-  };
-
-  float acc[2][1][TG][4];
-#pragma unroll
-  for (int a = 0; a < 2; ++a)
-#pragma unroll
-    for (int q = 0; q < TG; ++q)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[a][0][q][i] = 0.f;
-
-  stage(0);
-  for (int c = 0; c < nchunks; ++c) {
-    if (c + 1 < nchunks) {
-      stage(c + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    mbar_wait(bar0 + 8u * (uint32_t)c, 0u);
-    const uint32_t lrow = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
-#pragma unroll
-    for (int ii = 0; ii < kSlabChunk / NW; ++ii) {
-      const int ktl = warp + NW * ii;  // this warp's tile of the chunk
-      if (c * kSlabChunk + ktl < KT) {
-        WTile cur[1];
-        load_tile_smem(cur[0], slab + (uint32_t)((c * kSlabChunk + ktl) * kRecordBytes), lane);
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          uint32_t a[1][2][4];
-          __nv_bfloat162 s0, s8;
-          scale_quad(jp == 0 ? cur[0].s.x : cur[0].s.y, s0, s8);
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj)
-            decode_subtile(a[0][jj], subtile_word(cur[0], 2 * jp + jj), jj == 0 ? bf_lo2(s0) : bf_hi2(s0),
-                           jj == 0 ? bf_lo2(s8) : bf_hi2(s8));
-          mma_half<TG, 1>(acc[jp], a, lrow, lrow_off, (uint32_t)((ktl * 64 + 32 * jp) * 2));
-        }
-      }
-    }
-    __syncthreads();  // buffer (c & 1) is refilled by stage(c + 2)
-  }
-  QERL_TL_LOOPED
-  // the warps' partials [NW][TG][4][32 lanes] in staging buffer 0 (free now), added in warp order
-  float* red = reinterpret_cast<float*>(xs);
-#pragma unroll
-  for (int q = 0; q < TG; ++q)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) red[((warp * TG + q) * 4 + i) * 32 + lane] = acc[0][0][q][i] + acc[1][0][q][i];
-  __syncthreads();
-  for (int e = tid; e < TG * 4 * 32; e += NW * 32) {
-    const int q = e / 128, i = (e / 32) % 4, l = e % 32;
-    const int n = rb * 16 + (l >> 2) + 8 * (i >> 1);
-    const int m = q * 8 + 2 * (l & 3) + (i & 1);
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) v += red[((w * TG + q) * 4 + i) * 32 + l];
-    if (n < N && m < mslice) out[(size_t)m * N + n] = out_value(v * alpha, bias, n);
-  }
-  QERL_TL_END(128u)
-#else
-  __trap();  // (the host launches it only where sm_90 code runs: device_supports)
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // dense dequantization: one CTA = one row block x 8 K tiles (one record per warp), staged through shared
 // memory so the [N, K] output is written with coalesced 16-byte stores.
 template <typename T>
@@ -1313,10 +1135,6 @@ template __global__ void nvfp4_mma_v2_kernel<2, 1, 4, 8, 2, 2, 8, false, true>(
     int, int, int, int, int, LoraAug);
 QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 10)
 QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 10)
-template __global__ void nvfp4_slab_kernel<1, 4>(const __nv_bfloat16*, const uint8_t*, const float*,
-                                                  const __nv_bfloat16*, __nv_bfloat16*, int, int, int, int, int);
-template __global__ void nvfp4_slab_kernel<2, 4>(const __nv_bfloat16*, const uint8_t*, const float*,
-                                                  const __nv_bfloat16*, __nv_bfloat16*, int, int, int, int, int);
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
 template __global__ void nvfp4_dequant_kernel<float>(const uint8_t*, const float*, float*, int, int, int, int);
@@ -1729,35 +1547,6 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
                                    wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M), la));
 }
 
-// the slab kernel (nvfp4_slab_kernel): its shared memory for M rows of a weight of KT K tiles, whether it takes
-// the launch on device dev (M <= 16, K <= kSlabMaxKT tiles, sm_90 code running, every row block resident at once)
-// and the launch itself
-static size_t slab_smem_bytes(int64_t M, int64_t KT) {
-  const int64_t rows_alloc = std::min<int64_t>(M <= 8 ? 8 : 16, M + 1);
-  return (size_t)((KT * kRecordBytes + 127) / 128 * 128) + (size_t)2 * rows_alloc * (kSlabChunk * 64 + 8) * 2;
-}
-static bool slab_fits(int64_t M, int64_t NT, int64_t KT, int dev) {
-  if (M < 1 || M > 16 || KT > kSlabMaxKT || !qerl_pdl::device_supports(dev)) return false;
-  const size_t smem = slab_smem_bytes(M, KT);
-  const int occ = M <= 8 ? resident_ctas(nvfp4_slab_kernel<1, 4>, 128, smem, dev)
-                         : resident_ctas(nvfp4_slab_kernel<2, 4>, 128, smem, dev);
-  return NT <= (int64_t)num_sms(dev) * occ;
-}
-static int64_t g_last_slab = 0;  // whether the last small-M launch ran the slab kernel (tests)
-
-template <int TG>
-static void launch_slab(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
-                        at::Tensor& out, int M, int N, int K, int NT, int KT) {
-  auto kern = nvfp4_slab_kernel<TG, 4>;
-  const size_t smem = slab_smem_bytes(M, KT);
-  resident_ctas(kern, 128, smem, x.get_device());  // (raises the kernel's shared-memory limit to smem)
-  g_last_slab = 1;
-  C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)NT), dim3(128), smem, c10::cuda::getCurrentCUDAStream(),
-                                   x.get_device(), reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
-                                   qw.data_ptr<uint8_t>(), gs.data_ptr<float>(), bias,
-                                   reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), M, N, K, NT, KT));
-}
-
 // the small-M kernel linear_out runs for bf16 x of M rows on the mma path: 0 / 1 the two configurations of
 // nvfp4_mma_kernel, 2 / 4 the stream-K kernel with 4 / 8 warps per block (M <= 64; larger M as 0)
 // Wide weights whose 128-row groups outnumber the resident CTA slots get no aligned grid with 8 warps per CTA
@@ -1804,7 +1593,7 @@ static bool aligned_w8_clusters(int64_t M, int64_t n, int64_t k) {
 // sums run in clusters: 32B q/k/v 11.9 / 12.3 us at M = 1 / 8 against 14.1 / 15.1 for v2, 14.5 at M = 16 against
 // 18.0 for default; 32B o 12.8 at M = 16 against 14.0 for alt; 7B o 8.6 at M = 16 against 10.5. The 7B q/k/v's
 // clusters of 7 do not fit, and at M = 16 its workspace sums lose to alt (11.7 against 10.4 us): it keeps alt.
-static int auto_choice_v2(int64_t M, int64_t n, int64_t k) {
+static int auto_choice(int64_t M, int64_t n, int64_t k) {
   const int v = auto_variant(M, n, k);
   if (M > 16) return v;
   if (v != 4) {
@@ -1818,22 +1607,8 @@ static int auto_choice_v2(int64_t M, int64_t n, int64_t k) {
   return 4;
 }
 
-// auto with the slab kernel (set_slab, default on): weights below 6e7 entries (the q/k/v- and o-sized ones) at
-// M <= 16 where it takes the launch; run_mma falls back to auto_choice_v2 where a LoRA term rides along
-static int g_slab = 1;
-static int auto_choice(int64_t M, int64_t n, int64_t k) {
-  if (g_slab && M <= 16 && n * k < kV2W8MinWeights &&
-      slab_fits(M, (n + 15) / 16, (k + 63) / 64, c10::cuda::current_device()))
-    return 6;
-  return auto_choice_v2(M, n, k);
-}
-
 static int resolved_variant(int64_t M, int64_t n, int64_t k) {
-  int v = g_variant == 3 ? auto_choice(M, n, k) : g_variant;
-  if (v == 6) {  // the slab kernel where it takes the launch (run_mma checks the rest), else v2w8
-    if (M <= 16 && (k + 63) / 64 <= kSlabMaxKT) return 6;
-    v = 4;
-  }
+  const int v = g_variant == 3 ? auto_choice(M, n, k) : g_variant;
   if ((v == 2 || v == 4) && M <= kSliceTokens) return v;
   if (v == 5 && M <= kSliceTokens) return M <= 16 ? 5 : 4;  // (10 warps: instances for M <= 16 only)
   return v == 1 ? 1 : 0;
@@ -1844,15 +1619,6 @@ static void run_mma(const at::Tensor& xc, const at::Tensor& qw, const at::Tensor
                     at::Tensor& out, int64_t n, int64_t k, int variant, const LoraAug& la) {
   const int Mi = (int)xc.size(0), N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
   TORCH_CHECK(xc.size(0) <= (int64_t)65535 * kSliceTokens, "qerl: M too large for the mma path");
-  g_last_slab = 0;
-  if (variant == 6) {  // the slab kernel takes no LoRA term; where it does not take the launch, v2w8 runs
-    if (la.h == nullptr && slab_fits(Mi, NT, KT, xc.get_device())) {
-      if (Mi <= 8) launch_slab<1>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-      else launch_slab<2>(xc, qw, gs, bp, out, Mi, N, K, NT, KT);
-      return;
-    }
-    variant = g_variant == 3 ? auto_choice_v2(Mi, n, k) : 4;
-  }
   if (variant == 2) {
     if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 5, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
     else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 4, 4>(xc, qw, gs, bp, out, Mi, N, K, NT, KT, la);
@@ -2044,16 +1810,14 @@ void set_v2_grid(int64_t p) {
 }
 void set_v2_aligned(bool on) { g_v2_aligned = on ? 1 : 0; }
 void set_v2_cluster(bool on) { g_v2_cluster = on ? 1 : 0; }
-void set_slab(bool on) { g_slab = on ? 1 : 0; }
 void set_fixup(int64_t v) {
   TORCH_CHECK(v >= 0 && v <= 2, "qerl: fixup must be 0 (auto, per M), 1 (batched) or 2 (serial)");
   g_fixup = (int)v;
 }
 void set_variant(int64_t v) {
-  TORCH_CHECK(v >= 0 && v <= 6,
+  TORCH_CHECK(v >= 0 && v <= 5,
               "qerl: variant must be 0 (default), 1 (alternative configuration), 2 (v2), 3 (auto, per shape), 4 "
-              "(v2 with 8 warps per block), 5 (v2 with 10 warps per block up to M = 16) or 6 (slab: one CTA per row "
-              "block over the whole K, up to M = 16)");
+              "(v2 with 8 warps per block) or 5 (v2 with 10 warps per block up to M = 16)");
   g_variant = (int)v;
 }
 int64_t get_variant() { return g_variant; }
@@ -2109,11 +1873,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_v2_cluster", &qerl::set_v2_cluster,
         "split-K sums of the stream-K kernels' aligned grids through thread-block clusters (sm_90; default on)");
   m.def("get_v2_cluster", [] { return qerl::g_v2_cluster != 0; });
-  m.def("set_slab", &qerl::set_slab,
-        "auto takes the slab kernel (one CTA per row block over the whole K) for weights below 6e7 entries at "
-        "M <= 16 where it fits (default on)");
-  m.def("get_slab", [] { return qerl::g_slab != 0; });
-  m.def("last_slab", [] { return qerl::g_last_slab; }, "whether the last small-M launch ran the slab kernel");
   m.def("last_v2_cluster", [] { return (int64_t)qerl::g_last_v2_cluster; },
         "cluster size of the last stream-K launch (0: none)");
   m.def("set_v2_grid", &qerl::set_v2_grid, "force the stream-K kernel's CTA count (0: chosen per shape; probes)");

@@ -269,7 +269,7 @@ def _check_linear(n, k, ms, kind="randn", seed=0, paths=(None,), tol=1e-2):
             assert e <= tol, f"rel err {e:.2e} at n={n} k={k} m={m} path={path}"
 
 
-@pytest.fixture(params=["auto", "default", "alt", "v2", "v2w8", "v2w10", "slab"])
+@pytest.fixture(params=["auto", "default", "alt", "v2", "v2w8", "v2w10"])
 def small_m_variant(request):
     """Run a small-M test once per kernel variant; restores the previous variant."""
     _need_kernel()
@@ -364,20 +364,10 @@ def test_gpu_auto_variant_rules():
         (17, 32, 33, 64): {qkv7: "default", o7: "default", gu7: "v2w8", dn7: "v2", qkv32: "default",
                            o32: "default", gu32: "v2w8", dn32: "v2w8"},
     }
-    aligned_before, cluster_before, slab_before = (bool(ext.get_v2_aligned()), bool(ext.get_v2_cluster()),
-                                                   bool(ext.get_slab()))
+    aligned_before, cluster_before = bool(ext.get_v2_aligned()), bool(ext.get_v2_cluster())
     try:
         kernel.set_v2_aligned(True)
         kernel.set_v2_cluster(True)
-        kernel.set_slab(True)
-        # session 22: the slab kernel for the 7B q/k/v and o weights at M <= 16 (every row block resident on 132 SMs;
-        # never for the 6e7-entry ones, gate/up and down)
-        for m in (1, 8, 9, 16):
-            if _clusters_expected():
-                assert [int(ext.auto_variant(m, n, k)) for n, k in (qkv7, o7)] == [v["slab"]] * 2, m
-            assert all(int(ext.auto_variant(m, n, k)) != v["slab"] for n, k in (gu7, dn7, gu32, dn32)), m
-        assert int(ext.auto_variant(17, *qkv7)) != v["slab"]
-        kernel.set_slab(False)
         for ms, table in expect.items():
             for m in ms:
                 for (n, k), name in table.items():
@@ -387,7 +377,6 @@ def test_gpu_auto_variant_rules():
         assert [int(ext.auto_variant(8, n, k)) for n, k in (qkv7, o7, gu7, dn7)] == [v["default"], v["default"],
                                                                                    v["v2w8"], v["v2w8"]]
     finally:
-        kernel.set_slab(slab_before)
         kernel.set_v2_cluster(cluster_before)
         kernel.set_v2_aligned(aligned_before)
 
@@ -472,7 +461,6 @@ def test_gpu_v2_cluster_sums_bit_identical(n, k):
                     assert used[1] == 8, (v, m, used)
         kernel.set_variant("auto")
         kernel.set_v2_cluster(True)
-        kernel.set_slab(False)  # (auto's stream-K choice for these weights, not the slab kernel)
         x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
         out = torch.full((8, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         kernel.linear(x, qw, gs, n, k, out=out)
@@ -480,57 +468,7 @@ def test_gpu_v2_cluster_sums_bit_identical(n, k):
             assert int(ext.last_v2_cluster()) == int(ext.last_v2_grid()) // 28 == 8
         assert _replay_equals_eager(lambda: kernel.linear(x, qw, gs, n, k, out=out), out)
     finally:
-        kernel.set_slab(True)
         kernel.set_v2_cluster(cluster_before)
-        kernel.set_variant(before)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (576, 576), (1536, 576), (5120, 5120), (2000, 4032),
-                                 (7168, 5120), (3584, 18944)])
-def test_gpu_slab_kernel(n, k):
-    """The slab kernel (one CTA per 16-row block over the whole K, the weight fetched by the copy engine before the
-    PDL wait): against the fp32 reference at every M up to 16 (poisoned outputs, bias too), the same bits on a
-    repeat and in a CUDA-graph replay; it runs where K <= 5120 and every row block is resident at once on an sm_90
-    device (here: the 7B q/k/v and o, SmolLM2's, a ragged 2000 x 4032), else v2w8 runs (the 32B q/k/v's 448 row
-    blocks at M = 16, the 7B down's K); a LoRA term never rides in it (the stream-K or v1 kernels take those)."""
-    _need_kernel()
-    ext = kernel._load()
-    before = kernel.variant()
-    qw, gs = make_packed(n, k, device="cuda", seed=3 * n + k)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    sm90 = torch.cuda.get_device_capability() == (9, 0) and _clusters_expected()
-    try:
-        kernel.set_variant("slab")
-        for m in (1, 2, 3, 7, 8, 9, 13, 16, 17):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = ref_fp32(x, qw, gs, n, k)
-            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            kernel.linear(x, qw, gs, n, k, out=out)
-            torch.cuda.synchronize()
-            ran = int(ext.last_slab())
-            assert not torch.isnan(out).any() and rel_err(out, ref) <= 1e-2, (m, ran)
-            if m > 16 or k > 5120:
-                assert ran == 0, m
-            elif sm90 and n * k <= 3584 * 4608:
-                assert ran == 1, m
-            first = out.clone()
-            kernel.linear(x, qw, gs, n, k, out=out)
-            assert torch.equal(out, first), m
-            assert _replay_equals_eager(lambda: kernel.linear(x, qw, gs, n, k, out=out), out), m
-            outb = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            ext.linear_out(x, qw, gs, n, k, outb, -1, bias)
-            assert torch.equal(outb, (first.float() + bias.float()).bfloat16()), m
-        # a LoRA term: the slab kernel does not take it, the stream-K kernel runs the product with the term
-        x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-        hs = torch.randn(8, 16, device="cuda").bfloat16().float()
-        bs = (torch.randn(16, n, device="cuda") * 0.05).bfloat16()
-        out = torch.full((8, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        assert kernel.linear_lora(x, qw, gs, n, k, hs, bs, out=out) is not None
-        torch.cuda.synchronize()
-        assert int(ext.last_slab()) == 0
-        assert rel_err(out, ref_fp32(x, qw, gs, n, k) + hs @ bs.float()) <= 1e-2
-    finally:
         kernel.set_variant(before)
 
 

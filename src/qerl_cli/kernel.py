@@ -70,13 +70,13 @@ from . import layout
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
            "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
            "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS", "set_v2_aligned", "set_v2_cluster",
-           "set_slab", "settings"]
+           "settings"]
 
 BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
 BACKEND_REFERENCE = "torch-reference"
 
-VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4, "v2w10": 5, "slab": 6}
+VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4, "v2w10": 5}
 LORA_MAX_ROWS = 64  # linear_lora's most rows (kLoraAugMaxTG token groups of 8 in csrc/nvfp4_kernel.cu)
 
 _DEFAULT_ARCH_FLAGS = (
@@ -178,8 +178,6 @@ def _apply_variant(ext) -> None:
         ext.set_v2_aligned(False)
     if os.environ.get("QERL_KERNEL_V2_CLUSTER", "1") == "0":
         ext.set_v2_cluster(False)
-    if os.environ.get("QERL_KERNEL_SLAB", "1") == "0":
-        ext.set_slab(False)
 
 
 def _variant_name(v: str) -> str:
@@ -190,7 +188,7 @@ def _variant_name(v: str) -> str:
 
 
 def variant() -> str:
-    """The small-M kernel variant in use: "auto" (per shape), "default", "alt", "v2", "v2w8", "v2w10" or "slab"."""
+    """The small-M kernel variant in use: "auto" (per shape), "default", "alt", "v2", "v2w8" or "v2w10"."""
     ext = _load()
     if ext is None:
         return _variant
@@ -231,17 +229,6 @@ def set_v2_cluster(on: bool) -> None:
     ext = _load()
     if ext is not None:
         ext.set_v2_cluster(bool(on))
-
-
-def set_slab(on: bool) -> None:
-    """``auto``'s use of the slab kernel (default on, ``QERL_KERNEL_SLAB=0`` off): for weights below 6e7 entries
-    (the q/k/v- and o-sized ones) at M <= 16, one CTA per 16-row block over the whole K (K <= 5120) whose weight
-    slab the copy engine fetches into shared memory before the kernel's PDL wait, so no split-K sum leaves the
-    CTA; only where every row block is resident at once on an sm_90 device, and not with a LoRA term in the
-    kernel (those launches keep the stream-K or v1 kernels). A no-op without the CUDA extension."""
-    ext = _load()
-    if ext is not None:
-        ext.set_slab(bool(on))
 
 
 def set_pdl(on: bool) -> None:
@@ -296,8 +283,7 @@ def settings() -> dict:
     if ext is not None:
         out |= {"pdl": bool(ext.get_pdl()), "cluster_split": bool(ext.get_cluster()),
                 "cluster_max_m": int(ext.get_cluster_max_m()), "large_m_threshold": int(ext.get_large_m_threshold()),
-                "v2_aligned": bool(ext.get_v2_aligned()), "v2_cluster": bool(ext.get_v2_cluster()),
-                "slab": bool(ext.get_slab())}
+                "v2_aligned": bool(ext.get_v2_aligned()), "v2_cluster": bool(ext.get_v2_cluster())}
     return out
 
 
