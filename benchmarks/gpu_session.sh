@@ -139,6 +139,8 @@
 #                                  GPU tests (the rotary inside the attention kernel; auto's v2w8 rule at M <= 16),
 #                                  the 7B-shape rollouts with the rotary inside against rope_kv + decode_attn
 #                                  (bench_rollout.py --rope-in-attn), the kernel bench (7B and 32B, M = 1, 8, 16)
+#   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
+#                                  GPU tests, the 7B-shape rollout at batch 8 without and with a rank-32 adapter
 #   56                             session 22, commit 4a0f39d only (the slab kernel was dropped after this run: slower
 #                                  than v2w8 everywhere): build, the slab kernel's GPU tests with the small-M,
 #                                  auto, bias, graph and LoRA-term ones, the kernel bench (7B and 32B, M = 1, 8, 16:
@@ -724,6 +726,16 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
     --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
   tail -n 16 "$OUT/bench_kernel.log"; stamp 55 "kernel bench done"
+  ;;
+57)
+  # session 22, final main: the GPU test files part 55 did not run (LoRA term, train, calibrate, extension errors),
+  # then the 7B-shape rollout at batch 8 without and with a rank-32 adapter
+  sm90_start
+  build; stamp 57 "build done"
+  COLUMNS=200 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
+    tests/test_train_gpu.py tests/test_calibrate_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 57 "GPU tests done"
+  lora_rollout $(( 585 - $(date +%s) + t0 )) 57
   ;;
 56)
   # session 22: the slab kernel (one CTA per row block over the whole K; auto's choice for q/k/v and o at M <= 16)
