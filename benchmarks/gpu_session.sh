@@ -141,6 +141,7 @@
 #                                  (bench_rollout.py --rope-in-attn), the kernel bench (7B and 32B, M = 1, 8, 16)
 #   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
 #                                  GPU tests, the 7B-shape rollout at batch 8 without and with a rank-32 adapter
+#                                  (bench_rollout.py --lora-only --profile: bf16 and NVFP4, and the adapter's profile)
 #   56                             session 22, commit 4a0f39d only (the slab kernel was dropped after this run: slower
 #                                  than v2w8 everywhere): build, the slab kernel's GPU tests with the small-M,
 #                                  auto, bias, graph and LoRA-term ones, the kernel bench (7B and 32B, M = 1, 8, 16:
@@ -735,7 +736,9 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   COLUMNS=200 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_lora_in_kernel_gpu.py \
     tests/test_train_gpu.py tests/test_calibrate_gpu.py tests/test_extension_errors_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -n 12 "$OUT/gpu_tests.log"; stamp 57 "GPU tests done"
-  lora_rollout $(( 585 - $(date +%s) + t0 )) 57
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --lora-only --profile --skip-smollm2 \
+    --json "$OUT/rollout_7b_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 57 "7B LoRA rollout bench and profile done"
   ;;
 56)
   # session 22: the slab kernel (one CTA per row block over the whole K; auto's choice for q/k/v and o at M <= 16)
