@@ -83,8 +83,11 @@ def random_lora(model, rank: int) -> LoRA:
 
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
-                decode_attn=None, silu_in_kernel=None, rope_in_attn=None, **engine_kw) -> dict:
+                decode_attn=None, silu_in_kernel=None, rope_in_attn=None, silu_lora_in_kernel=None,
+                **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    if silu_lora_in_kernel is not None:  # (None: the engine's default)
+        eng.silu_lora_in_kernel = silu_lora_in_kernel
     if rope_in_attn is not None:  # (None: the engine's default)
         eng.rope_in_attn = rope_in_attn
     if silu_in_kernel is not None:  # (None: the engine's default)
@@ -242,6 +245,9 @@ def main() -> None:
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: the stream-K kernels' row-group-aligned "
                          "grids (the default) against the default grids, interleaved three times, then once each "
                          "with a rank-32 adapter")
+    ap.add_argument("--silu-lora", action="store_true",
+                    help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8, rank-32 adapter: the gate/up term inside the "
+                         "SiLU·mul pair kernel (the default) against the two kernels, interleaved three times")
     ap.add_argument("--rope-in-attn", action="store_true",
                     help="7B shapes (NVFP4), 256 -> 512 tokens, batch 8: rotary and the cache write inside the decode "
                          "attention kernel (the default) against rope_kv + decode_attn, interleaved three times, "
@@ -297,6 +303,8 @@ def main() -> None:
         silu_part(rows, save)
     elif args.rope_in_attn:
         rope_attn_part(rows, save)
+    elif args.silu_lora:
+        silu_lora_part(rows, save)
     elif args.v2_aligned:
         aligned_part(rows, save)
     elif args.v2_cluster:
@@ -520,6 +528,20 @@ def rope_attn_part(rows, save) -> None:
         rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + (" attn:wave" if attn else " sdpa"),
                      "batch": 8, **time_engine(big, 8, 256, 512, 152064, lora_rank=32, decode_attn=attn)})
         save()
+
+
+def silu_lora_part(rows, save) -> None:
+    """With a rank-32 adapter: the gate/up group's LoRA term inside the SiLU·mul pair kernel (Engine.
+    silu_lora_in_kernel, session 22; down's shrink then in fused.lora_shrink) against the [M, 2I] product and the
+    SiLU·mul kernel with down's shrink, interleaved three times: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens."""
+    big = pack_model_inplace(random_model(qwen7b_config()))
+    gc.collect()
+    torch.cuda.empty_cache()
+    for _ in range(3):
+        for on in (True, False):
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + ("" if on else " silu-kernel"),
+                         "batch": 8, **time_engine(big, 8, 256, 512, 152064, lora_rank=32, silu_lora_in_kernel=on)})
+            save()
 
 
 def aligned_part(rows, save, cluster: bool = False) -> None:

@@ -139,6 +139,9 @@
 #                                  GPU tests (the rotary inside the attention kernel; auto's v2w8 rule at M <= 16),
 #                                  the 7B-shape rollouts with the rotary inside against rope_kv + decode_attn
 #                                  (bench_rollout.py --rope-in-attn), the kernel bench (7B and 32B, M = 1, 8, 16)
+#   58                             session 22 (sm_90a code only): build, the pair-mode, engine and LoRA-term GPU tests
+#                                  (-k "silu or lora or shrink"), the 7B-shape rank-32 rollouts with the gate/up term
+#                                  inside the SiLU·mul pair kernel against the two kernels (bench_rollout --silu-lora)
 #   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
 #                                  GPU tests, the 7B-shape rollout at batch 8 without and with a rank-32 adapter
 #                                  (bench_rollout.py --lora-only --profile: bf16 and NVFP4, and the adapter's profile)
@@ -727,6 +730,17 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b \
     --ms "${MS:-1,8,16}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
   tail -n 16 "$OUT/bench_kernel.log"; stamp 55 "kernel bench done"
+  ;;
+58)
+  # session 22: the gate/up group's LoRA term inside the SiLU·mul pair kernel (linear_silu with hs, bs)
+  sm90_start
+  build; stamp 58 "build done"
+  COLUMNS=200 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_engine_gpu.py tests/test_lora_in_kernel_gpu.py -k "silu or lora or shrink" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 58 "GPU tests done"
+  timeout $(( ${T58:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --silu-lora \
+    --json "$OUT/rollout_7b_silu_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_silu_lora.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 58 "rollouts done"
   ;;
 57)
   # session 22, final main: the GPU test files part 55 did not run (LoRA term, train, calibrate, extension errors),

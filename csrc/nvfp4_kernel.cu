@@ -771,7 +771,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const int rbr = (rg * NW + warp) * R + r;
-          if (rbr < NT) lora_aug_prefetch(la, rbr * 16, N, lane);
+          if (rbr < NT) lora_aug_prefetch(la, pair_block(rbr, NT, pair) * 16, N, lane);
         }
     }
   }
@@ -916,8 +916,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     QERL_TL_X(tl_x.nseg += 1u)
     // the LoRA term (if any), in the segment that ends the row group's K range (one CTA's)
     if constexpr (TG <= kLoraAugMaxTG) {
-      if (la.h != nullptr && kt1 == KT)
-        lora_aug_term<TG, R>(acc[0], la, rb, NT, N, 0, mslice, __ldg(gscale) * 0x1p-62f, lane);
+      if (la.h != nullptr && kt1 == KT) {
+        int prb[R];  // the physical row blocks (pair mode: gate block j or up block j), whose bs columns apply
+#pragma unroll
+        for (int r = 0; r < R; ++r) prb[r] = rb[r] < NT ? pair_block(rb[r], NT, pair) : rb[r];
+        lora_aug_term<TG, R>(acc[0], la, prb, NT, N, 0, mslice, __ldg(gscale) * 0x1p-62f, lane);
+      }
     }
 
     const bool whole = (kt0 == 0 && kt1 == KT);
@@ -1690,51 +1694,10 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   return 0;
 }
 
-// out = silu(x @ Wg^T) * (x @ Wu^T) for a fused gate/up weight qw of n rows (gate rows [0, n/2), up rows [n/2, n)):
-// x [M, k] bf16 contiguous, out [M, n/2] bf16 contiguous, in one launch of the stream-K kernel in pair mode
-// (8 warps per block): the product rounded to bf16 followed by qerl_fused's silu_mul, bit for bit where the
-// stream-K split is that of the block-interleaved weight (gate block j, up block j, ...) — against the plain
-// weight's product the rows cut between CTAs are cut elsewhere, so fp32 sums differ in order there. Returns false,
-// launching nothing, where that kernel does not take it (M outside 1..64, x not bf16, n not a multiple of 32 or
-// the weight padded past n rows).
-bool linear_silu_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
-                     at::Tensor& out) {
-  check_packed(qw, gs, n, k);
-  TORCH_CHECK(x.is_cuda() && x.get_device() == qw.get_device(), "qerl: x must be on the weight's device");
-  QERL_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, %lld], got %s", (long long)k,
-             qerl_check::shape(x.sizes()).c_str());
-  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n / 2 &&
-                  out.is_contiguous() && out.scalar_type() == x.scalar_type(),
-              "qerl: out must be a contiguous [M, n / 2] tensor of x's dtype");
-  const int64_t M = x.size(0);
-  if (M < 1 || M > kSliceTokens || x.scalar_type() != at::kBFloat16 || n % 32 != 0 || qw.size(0) * 16 != n)
-    return false;
-  c10::cuda::CUDAGuard guard(qw.device());
-  const at::Tensor xc = aligned_contiguous(x);
-  const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
-  // the warps per block linear_out would run for this weight: 10 where it resolves to that variant, else 8
-  const bool w10 = resolved_variant(M, n, k) == 5;
-  if (Mi <= 8 && w10) launch_mma_v2<1, 1, 4, 8, 2, 2, 10, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
-  else if (Mi <= 16 && w10) launch_mma_v2<2, 1, 4, 8, 2, 2, 10, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
-  else if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
-  else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
-  else if (Mi <= 32) launch_mma_v2<4, 1, 4, 8, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
-  else launch_mma_v2<8, 1, 2, 4, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, LoraAug{});
-  return true;
-}
-
-// out = x @ W^T (+ bias) + hs @ bs in one launch of the small-M kernel (see LoraAug): x [M, k] bf16, hs [M, R] fp32
-// (bf16 values) or bf16, bs [R, n] bf16, both contiguous; segs: flat (col_end, row_begin, row_end) triples as in
-// qerl_fused's lora_add (empty: every rank row for every column). Returns false, launching nothing, where no
-// small-M kernel would run the product (the dequantize path) or the term's shapes are outside what it takes (more
-// than 64 rows, members not 16-row aligned, rank ranges not multiples of 16, more than 8 members): the caller
-// then adds the term itself.
-bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
-                     at::Tensor& out, const c10::optional<at::Tensor>& bias, const at::Tensor& hs, const at::Tensor& bs,
-                     const std::vector<int64_t>& segs) {
-  check_linear_args(x, qw, gs, n, k, out, bias);
-  const int64_t M = x.size(0);
-  if (M < 1 || M > 8 * kLoraAugMaxTG || x.scalar_type() != at::kBFloat16) return false;
+// the LoRA term of a small-M launch of M rows of an n-row weight (see linear_lora_out) into la; hk: the hs the kernel
+// reads (hs itself, or a converted / aligned copy). False where the kernels do not take the term.
+static bool lora_aug_for(int64_t M, int64_t n, const at::Tensor& x, const at::Tensor& hs, const at::Tensor& bs,
+                         const std::vector<int64_t>& segs, LoraAug& la, at::Tensor& hk) {
   if (!hs.is_cuda() || !(hs.scalar_type() == at::kBFloat16 || hs.scalar_type() == at::kFloat) ||
       !hs.is_contiguous() || hs.dim() != 2 || hs.size(0) != M || hs.get_device() != x.get_device())
     return false;
@@ -1742,7 +1705,6 @@ bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   if (!bs.is_cuda() || bs.scalar_type() != at::kBFloat16 || !bs.is_contiguous() || bs.dim() != 2 || bs.size(0) != R ||
       bs.size(1) != n || bs.get_device() != x.get_device() || R < 1 || R % 2 != 0)
     return false;
-  LoraAug la{};
   la.R = (int)R;
   if (segs.empty()) {
     if (R % 16 != 0) return false;
@@ -1765,16 +1727,72 @@ bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
     }
     if (prev != n) return false;
   }
-  c10::cuda::CUDAGuard guard(qw.device());
-  if (choose_path(M, n, k) != 0) return false;
   // the instance's hs dtype (kLoraAugFp32MaxTG; exact either way, as hs holds bf16 values); fresh tensors are
   // aligned for the kernel's 8-byte (fp32 pair) and 4-byte (bf16 pair) loads
   const bool want_bf16 = M > 8 * kLoraAugFp32MaxTG;
-  at::Tensor hk = hs.to(want_bf16 ? at::kBFloat16 : at::kFloat);  // (hs itself where it already is)
+  hk = hs.to(want_bf16 ? at::kBFloat16 : at::kFloat);  // (hs itself where it already is)
   if (reinterpret_cast<uintptr_t>(hk.data_ptr()) % (2 * hk.element_size()) != 0) hk = hk.clone();
   la.h = hk.data_ptr();
   la.h_bf16 = want_bf16 ? 1 : 0;
   la.b = reinterpret_cast<const __nv_bfloat16*>(bs.data_ptr());
+  return true;
+}
+
+// out = silu(x @ Wg^T) * (x @ Wu^T) for a fused gate/up weight qw of n rows (gate rows [0, n/2), up rows [n/2, n)):
+// x [M, k] bf16 contiguous, out [M, n/2] bf16 contiguous, in one launch of the stream-K kernel in pair mode
+// (8 warps per block): the product rounded to bf16 followed by qerl_fused's silu_mul, bit for bit where the
+// stream-K split is that of the block-interleaved weight (gate block j, up block j, ...) — against the plain
+// weight's product the rows cut between CTAs are cut elsewhere, so fp32 sums differ in order there. Returns false,
+// launching nothing, where that kernel does not take it (M outside 1..64, x not bf16, n not a multiple of 32 or
+// the weight padded past n rows).
+bool linear_silu_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                     at::Tensor& out, const c10::optional<at::Tensor>& hs, const c10::optional<at::Tensor>& bs,
+                     const std::vector<int64_t>& segs) {
+  check_packed(qw, gs, n, k);
+  TORCH_CHECK(x.is_cuda() && x.get_device() == qw.get_device(), "qerl: x must be on the weight's device");
+  QERL_CHECK(x.dim() == 2 && x.size(1) == k, "qerl: x must be [M, %lld], got %s", (long long)k,
+             qerl_check::shape(x.sizes()).c_str());
+  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n / 2 &&
+                  out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              "qerl: out must be a contiguous [M, n / 2] tensor of x's dtype");
+  const int64_t M = x.size(0);
+  if (M < 1 || M > kSliceTokens || x.scalar_type() != at::kBFloat16 || n % 32 != 0 || qw.size(0) * 16 != n)
+    return false;
+  LoraAug la{};
+  at::Tensor hk;  // (keeps the term's hs alive through the launch)
+  if (hs.has_value() != bs.has_value()) return false;
+  if (hs.has_value() && (M > 8 * kLoraAugMaxTG || !lora_aug_for(M, n, x, *hs, *bs, segs, la, hk))) return false;
+  c10::cuda::CUDAGuard guard(qw.device());
+  const at::Tensor xc = aligned_contiguous(x);
+  const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
+  // the warps per block linear_out would run for this weight: 10 where it resolves to that variant, else 8
+  const bool w10 = resolved_variant(M, n, k) == 5;
+  if (Mi <= 8 && w10) launch_mma_v2<1, 1, 4, 8, 2, 2, 10, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, la);
+  else if (Mi <= 16 && w10) launch_mma_v2<2, 1, 4, 8, 2, 2, 10, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, la);
+  else if (Mi <= 8) launch_mma_v2<1, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, la);
+  else if (Mi <= 16) launch_mma_v2<2, 1, 4, 8, 2, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, la);
+  else if (Mi <= 32) launch_mma_v2<4, 1, 4, 8, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, la);
+  else launch_mma_v2<8, 1, 2, 4, 1, 2, 8, true>(xc, qw, gs, nullptr, out, Mi, N, K, NT, KT, la);
+  return true;
+}
+
+// out = x @ W^T (+ bias) + hs @ bs in one launch of the small-M kernel (see LoraAug): x [M, k] bf16, hs [M, R] fp32
+// (bf16 values) or bf16, bs [R, n] bf16, both contiguous; segs: flat (col_end, row_begin, row_end) triples as in
+// qerl_fused's lora_add (empty: every rank row for every column). Returns false, launching nothing, where no
+// small-M kernel would run the product (the dequantize path) or the term's shapes are outside what it takes (more
+// than 64 rows, members not 16-row aligned, rank ranges not multiples of 16, more than 8 members): the caller
+// then adds the term itself.
+bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
+                     at::Tensor& out, const c10::optional<at::Tensor>& bias, const at::Tensor& hs, const at::Tensor& bs,
+                     const std::vector<int64_t>& segs) {
+  check_linear_args(x, qw, gs, n, k, out, bias);
+  const int64_t M = x.size(0);
+  if (M < 1 || M > 8 * kLoraAugMaxTG || x.scalar_type() != at::kBFloat16) return false;
+  LoraAug la{};
+  at::Tensor hk;
+  if (!lora_aug_for(M, n, x, hs, bs, segs, la, hk)) return false;
+  c10::cuda::CUDAGuard guard(qw.device());
+  if (choose_path(M, n, k) != 0) return false;
   const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   run_mma(aligned_contiguous(x), qw, gs, bp, out, n, k, resolved_variant(M, n, k), la);
   return true;
@@ -1857,7 +1875,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_silu_out", &qerl::linear_silu_out,
         "silu(x @ Wg^T) * (x @ Wu^T) into out [M, n/2] for a fused gate/up weight (gate rows first) in one small-M "
         "kernel launch; false (nothing launched) where that kernel does not take it",
-        py::arg("x"), py::arg("qw"), py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"));
+        py::arg("x"), py::arg("qw"), py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"),
+        py::arg("hs") = py::none(), py::arg("bs") = py::none(), py::arg("segs") = std::vector<int64_t>());
   m.def("set_pdl", [](bool on) { qerl_pdl::enabled_flag() = on ? 1 : 0; },
         "programmatic dependent launch of the small-M kernels (and of qerl_fused's) on or off");
   m.def("get_pdl", [] { return qerl_pdl::enabled_flag() != 0; });

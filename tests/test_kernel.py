@@ -619,6 +619,69 @@ def test_gpu_linear_silu_equals_product_then_silu_mul(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(37888, 3584), (3072, 576), (7168, 3584)])
+def test_gpu_linear_silu_with_lora_term(n, k):
+    """(session 22) Pair mode with a LoRA term (kernel.linear_silu with hs, bs): the term of each physical row
+    (gate row r or up row r) is added before the SiLU. Bit-identical to linear_lora on the block-interleaved weight
+    with bs's columns interleaved alike, then silu_mul; with a block-diagonal bs (the gate and up members' rank
+    rows, segs) within bf16 rounding of the fp32 reference silu(x Wg^T + hs Bg) * (x Wu^T + hs Bu). Every M up to
+    64, outputs poisoned, v2w8 and v2w10 forced; a CUDA graph replay; hs without bs is refused."""
+    _need_kernel()
+    ext = kernel._load()
+    qw, gs = make_packed(n, k, device="cuda", seed=n + 3 * k)
+    nt, half = n // 16, n // 2
+    perm = torch.stack([torch.arange(nt // 2), torch.arange(nt // 2) + nt // 2], 1).reshape(-1).to("cuda")
+    qwi = qw[perm].contiguous()
+    cols = (perm[:, None] * 16 + torch.arange(16, device="cuda")).reshape(-1)  # the interleaved weight's row order
+    w32 = layout.dequantize(qw, gs, n, k, torch.float32)
+    scale = float(w32.abs().mean()) * k ** 0.5  # (a term as large as the product: a misplaced one shows)
+    before = kernel.variant()
+    try:
+        for variant in ("v2w8", "v2w10"):
+            kernel.set_variant(variant)
+            _silu_lora_cases(ext, qw, qwi, gs, w32, cols, n, k, scale)
+    finally:
+        kernel.set_variant(before)
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    hs = torch.randn(8, 32, device="cuda").bfloat16().float()
+    bs = (torch.randn(32, n, device="cuda") * scale / 32 ** 0.5).bfloat16()
+    out = torch.full((8, half), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out, hs, bs, [])
+    assert _replay_equals_eager(lambda: ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out, hs, bs, []), out)
+    with torch.no_grad(), pytest.raises(ValueError, match="together"):
+        kernel.linear_silu(x, qw, gs, n, k, hs, None)
+    assert not ext.linear_silu_out(x, qw, kernel._gs(gs), n, k, out, hs, bs[:, :-16].contiguous(), [])  # bs width
+
+
+def _silu_lora_cases(ext, qw, qwi, gs, w32, cols, n, k, scale) -> None:
+    """test_gpu_linear_silu_with_lora_term's checks at every M, under the variant in force."""
+    from qerl_cli import fused
+
+    nt, half = n // 16, n // 2
+    for m in (1, 3, 8, 9, 16, 17, 33, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        hs = torch.randn(m, 32, device="cuda").bfloat16().float()
+        bs = (torch.randn(32, n, device="cuda") * scale / 32 ** 0.5).bfloat16()
+        yi = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        assert kernel.linear_lora(x, qwi, gs, n, k, hs, bs[:, cols].contiguous(), out=yi) is not None
+        halves = yi.view(m, nt // 2, 2, 16)
+        expect = fused.silu_mul(halves[:, :, 0].reshape(m, half), halves[:, :, 1].reshape(m, half))
+        with torch.no_grad():
+            got = kernel.linear_silu(x, qw, gs, n, k, hs, bs)
+        assert got is not None and not torch.isnan(expect).any() and torch.equal(got, expect), (n, k, m)
+        # block-diagonal: gate columns read rank rows 0-15, up columns 16-31
+        bd = bs.clone()
+        bd[16:, :half] = 0
+        bd[:16, half:] = 0
+        segs = (half, 0, 16, n, 16, 32)
+        with torch.no_grad():
+            got = kernel.linear_silu(x, qw, gs, n, k, hs, bd, segs)
+        y32 = x.float() @ w32.t() + hs @ bd.float()
+        ref = torch.nn.functional.silu(y32[:, :half]) * y32[:, half:]
+        assert got is not None and rel_err(got, ref) <= 1e-2, (n, k, m, rel_err(got, ref))
+
+
+@pytest.mark.gpu
 def test_gpu_linear_silu_declines():
     """linear_silu runs only where linear would run v2w8 on the small-M path: None (nothing computed) for more than
     64 rows, a non-bf16 x, another variant forced, n not a multiple of 32, or with autograd on."""

@@ -510,6 +510,11 @@ class Engine:
         # are summed in another fp32 order): the SiLU·mul kernel and the [M, 2I] intermediate go.
         # QERL_ENGINE_SILU_IN_KERNEL=0 (or False) keeps the two kernels
         self.silu_in_kernel = os.environ.get("QERL_ENGINE_SILU_IN_KERNEL", "1") != "0"
+        # with an adapter (decode steps, our LoRA's batched terms in the kernels), the gate/up group's term rides in
+        # that same launch before the SiLU (session 22) and down's shrink runs in fused.lora_shrink, instead of the
+        # [M, 2I] product plus the SiLU·mul kernel with down's shrink; QERL_ENGINE_SILU_LORA_IN_KERNEL=0 (or False)
+        # keeps the two kernels there
+        self.silu_lora_in_kernel = os.environ.get("QERL_ENGINE_SILU_LORA_IN_KERNEL", "1") != "0"
         self._lora_snap: dict[int, object] | None = None
         # decode steps on CUDA at temperature > 0 without top-k / top-p draw their tokens in one fused kernel
         # (fused.sample_step: Gumbel-max on Philox noise, with the step's bookkeeping) instead of about fifteen
@@ -787,8 +792,8 @@ class Engine:
         ``shrunk``: the gate/up terms' shrink already made; ``down_terms``: the down projection's batched LoRA
         terms, whose shrink then rides in the SiLU·mul kernel where it takes them)."""
         mlp, pre = self.layers[i].mlp, f"model.layers.{i}.mlp."
-        if silu_mul is _silu_mul_kernel and down_terms is None and (a := self._silu_in_kernel(i, x)) is not None:
-            return self._linear(mlp.down_proj, pre + "down_proj", a)
+        if silu_mul is _silu_mul_kernel and (a := self._silu_in_kernel(i, x, shrunk, down_terms is None)) is not None:
+            return self._linear(mlp.down_proj, pre + "down_proj", a)  # (down's LoRA shrink: fused.lora_shrink)
         g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "gate_proj", pre + "up_proj"], x,
                            shrunk)
         made = _fk.silu_mul_shrink(g, u, down_terms[0]) if down_terms is not None else None
@@ -796,20 +801,44 @@ class Engine:
             return self._linear(mlp.down_proj, pre + "down_proj", silu_mul(g, u))
         return self._linear(mlp.down_proj, pre + "down_proj", made[0], made[1])
 
-    def _silu_in_kernel(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+    def _silu_in_kernel(self, i: int, x: torch.Tensor, shrunk: torch.Tensor | None = None,
+                        down_plain: bool = True) -> torch.Tensor | None:
         """``silu(gate) * up`` of layer ``i`` on normed ``x`` from one NVFP4 kernel launch (``kernel.linear_silu``)
-        where its fused gate/up group is packed, unbiased, of two equal members without any LoRA term (peft's or
-        ours); None where not (the caller runs the group, then the SiLU·mul kernel)."""
+        where its fused gate/up group is packed, unbiased, of two equal members without a peft LoRA; our adapter's
+        batched term of the group rides in the same launch (``shrunk``: its shrink already made) where the kernel
+        takes it (``silu_lora_in_kernel``, the conditions of ``_lora_in_kernel``). ``down_plain``: the down
+        projection has no LoRA term; where it has one, this route is taken only together with the group's term
+        (down's shrink then runs in ``fused.lora_shrink`` instead of the SiLU·mul kernel). None where not (the
+        caller runs the group, then the SiLU·mul kernel)."""
         from .packed_model import PackedLinear
 
         f = self.fused[i].get("gate_up")
         if not (self.silu_in_kernel and f is not None and isinstance(f.base, PackedLinear) and f.base.bias is None
                 and len(f.sizes) == 2 and f.sizes[0] == f.sizes[1]
-                and not any(hasattr(m, "lora_A") for m in f.modules)
-                and (self.lora is None or not any(n in self.lora.factors for n in f.names))):
+                and not any(hasattr(m, "lora_A") for m in f.modules)):
             return None
         b = f.base
-        a = _kernel.linear_silu(x.reshape(-1, x.shape[-1]), b.qweight, b.global_scale, b.out_features, b.in_features)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.lora is None or not any(n in self.lora.factors for n in f.names):
+            if not down_plain and not self.silu_lora_in_kernel:
+                return None
+            a = _kernel.linear_silu(x2, b.qweight, b.global_scale, b.out_features, b.in_features)
+            return None if a is None else a.view(*x.shape[:-1], f.sizes[0])
+        snap = self._lora_snap.get(id(f)) if self._lora_snap is not None else None
+        rows = x2.shape[0]
+        if not (self.silu_lora_in_kernel and isinstance(snap, tuple) and self.lora_in_kernel and self._kernels
+                and not torch.is_grad_enabled()
+                and self.lora_kernels and x.dtype == snap[0].dtype == snap[1].dtype and 0 < rows <= _kernel.LORA_MAX_ROWS
+                and not torch.is_autocast_enabled(x.device.type)
+                and _kernel.takes_lora(rows, b.out_features, b.in_features)):
+            return None
+        a_fac, bs, segs = snap
+        x2 = x2.contiguous()
+        if shrunk is None:
+            shrunk = _fk.lora_shrink(x2, a_fac) if rows <= _fk.LORA_MAX_ROWS else x2 @ a_fac.t()
+            if shrunk is None:
+                return None
+        a = _kernel.linear_silu(x2, b.qweight, b.global_scale, b.out_features, b.in_features, shrunk, bs, segs)
         return None if a is None else a.view(*x.shape[:-1], f.sizes[0])
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,

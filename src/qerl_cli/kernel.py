@@ -542,7 +542,8 @@ def linear_lora(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
     return out
 
 
-def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int
+def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+                hs: torch.Tensor | None = None, bs: torch.Tensor | None = None, segs: tuple[int, ...] = ()
                 ) -> torch.Tensor | None:
     """``silu(x @ Wg^T) * (x @ Wu^T)`` for a fused gate/up weight of ``n`` rows (gate rows first, up rows from
     ``n / 2``) and bf16 CUDA ``x [M, k]``: ``[M, n / 2]`` from one launch of the stream-K kernel in pair mode
@@ -553,9 +554,13 @@ def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
     decode step. None, with nothing computed, where it would not be the kernel
     ``linear`` runs there (no-grad only; CPU, no extension, a variant other than ``v2w8`` / ``v2w10`` chosen or forced for
     the shape, the dequantize path, more than 64 rows, ``n`` not a multiple of 32): the caller then takes the
-    two-kernel route."""
+    two-kernel route. ``hs, bs, segs``: a LoRA term of the gate/up group as ``linear_lora`` takes it (``bs``
+    columns in the weight's row order, gate rows first), added to each row in fp32 before the SiLU; None where
+    the kernel does not take the term either."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16) or torch.is_grad_enabled():
         return None
+    if (hs is None) != (bs is None):
+        raise ValueError("linear_silu: hs and bs come together (a LoRA term) or not at all")
     ext = _load()
     m = x.shape[0]
     if ext is None or not 1 <= m <= 64 or n % 32 != 0 or ext.choose_path(int(m), int(n), int(k)) != 0:
@@ -567,7 +572,8 @@ def linear_silu(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tens
     _check_packed(qweight, global_scale, n, k)
     _check_act(x, k, "x", qweight)
     out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
-    if not ext.linear_silu_out(x, qweight.contiguous(), _gs(global_scale), int(n), int(k), out):
+    if not ext.linear_silu_out(x, qweight.contiguous(), _gs(global_scale), int(n), int(k), out, hs, bs,
+                               [int(v) for v in segs]):
         return None
     _set_backend(BACKEND_KERNEL)
     return out
