@@ -144,6 +144,7 @@
 #                                  inside the SiLU·mul pair kernel against the two kernels (bench_rollout --silu-lora)
 #   59                             session 22 (sm_90a code only): build, the pair-mode GPU tests (-k linear_silu), the
 #                                  7B-shape SiLU·mul-in-kernel rollouts without an adapter (bench_rollout --silu-in-kernel)
+#   60                             session 22 (sm_90a code only): build, the pair-mode GPU tests (-k linear_silu)
 #   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
 #                                  GPU tests, the 7B-shape rollout at batch 8 without and with a rank-32 adapter
 #                                  (bench_rollout.py --lora-only --profile: bf16 and NVFP4, and the adapter's profile)
@@ -743,6 +744,13 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( ${T58:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --silu-lora \
     --json "$OUT/rollout_7b_silu_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_silu_lora.log" | grep -v '^{' | grep -v '━\|──'
   stamp 58 "rollouts done"
+  ;;
+60)
+  sm90_start
+  build; stamp 60 "build done"
+  COLUMNS=200 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    -k "linear_silu" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 60 "GPU tests done"
   ;;
 59)
   # session 22: part 58's pair-mode LoRA kernel test again (its reference call had autograd on), then the

@@ -625,7 +625,8 @@ def test_gpu_linear_silu_with_lora_term(n, k):
     (gate row r or up row r) is added before the SiLU. Bit-identical to linear_lora on the block-interleaved weight
     with bs's columns interleaved alike, then silu_mul; with a block-diagonal bs (the gate and up members' rank
     rows, segs) within bf16 rounding of the fp32 reference silu(x Wg^T + hs Bg) * (x Wu^T + hs Bu). Every M up to
-    64, outputs poisoned, v2w8 and v2w10 forced; a CUDA graph replay; hs without bs is refused."""
+    64 that runs the small-M kernels (it declines where linear takes dequantize + cuBLAS), outputs poisoned, v2w8 and
+    v2w10 forced; a CUDA graph replay; hs without bs is refused."""
     _need_kernel()
     ext = kernel._load()
     qw, gs = make_packed(n, k, device="cuda", seed=n + 3 * k)
@@ -662,6 +663,10 @@ def _silu_lora_cases(ext, qw, qwi, gs, w32, cols, n, k, scale) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         hs = torch.randn(m, 32, device="cuda").bfloat16().float()
         bs = (torch.randn(32, n, device="cuda") * scale / 32 ** 0.5).bfloat16()
+        if ext.choose_path(m, n, k) != 0:  # (dequantize + cuBLAS there: neither small-M route runs)
+            with torch.no_grad():
+                assert kernel.linear_silu(x, qw, gs, n, k, hs, bs) is None, (n, k, m)
+            continue
         yi = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             assert kernel.linear_lora(x, qwi, gs, n, k, hs, bs[:, cols].contiguous(), out=yi) is not None
