@@ -145,6 +145,8 @@
 #   59                             session 22 (sm_90a code only): build, the pair-mode GPU tests (-k linear_silu), the
 #                                  7B-shape SiLU·mul-in-kernel rollouts without an adapter (bench_rollout --silu-in-kernel)
 #   60                             session 22 (sm_90a code only): build, the pair-mode GPU tests (-k linear_silu)
+#   (61)                           session 22, an ad-hoc call on the warm machine after 60: the engine, LoRA-term,
+#                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
 #                                  GPU tests, the 7B-shape rollout at batch 8 without and with a rank-32 adapter
 #                                  (bench_rollout.py --lora-only --profile: bf16 and NVFP4, and the adapter's profile)
