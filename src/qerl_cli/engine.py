@@ -17,7 +17,9 @@ Each member's LoRA (our container or a peft layer) is added to its slice of the 
 the adapter per call, see ``_lora_terms``); differentiable forwards compute them as peft does.
 
 Fused kernels (CUDA, bf16, no grad; :mod:`qerl_cli.fused`): residual add + RMSNorm, rotary + KV-cache write,
-SiLU·mul, each one kernel, rounding where torch's ops round.
+SiLU·mul, each one kernel, rounding where torch's ops round; in decode steps the rotary and the cache write ride
+in the decode attention kernel (``fused.rope_decode_attn``) and SiLU·mul in the gate/up NVFP4 kernel
+(``kernel.linear_silu``, with the group's LoRA term where an adapter is on).
 
 Behaviour log-probs: for each sampled token, the log-prob under the distribution it was **actually sampled
 from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
