@@ -498,17 +498,29 @@ def attn_part(rows, save) -> None:
                 save()
 
 
-def silu_part(rows, save) -> None:
-    """SiLU·mul in the gate/up kernel (Engine.silu_in_kernel, kernel.linear_silu: session 20) against the separate
-    kernel, interleaved three times: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens, no adapter."""
+def packed_7b():
+    """The 7B-shape random model, packed (NVFP4), with the build's garbage released."""
     big = pack_model_inplace(random_model(qwen7b_config()))
     gc.collect()
     torch.cuda.empty_cache()
+    return big
+
+
+def toggle_ab(big, rows, save, flag: str, off_tag: str, rank: int = 0) -> None:
+    """An engine setting (``flag``, a time_engine keyword) on against off, interleaved three times: 7B shapes,
+    batch 8, 256 -> 512 tokens, a rank-``rank`` adapter (0: none)."""
+    name = "ours-nvfp4" + (f" +lora{rank}" if rank else "")
     for _ in range(3):
         for on in (True, False):
-            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " silu-kernel"),
-                         "batch": 8, **time_engine(big, 8, 256, 512, 152064, silu_in_kernel=on)})
+            rows.append({"model": "Qwen2.5-7B-shape", "engine": name + ("" if on else f" {off_tag}"), "batch": 8,
+                         **time_engine(big, 8, 256, 512, 152064, lora_rank=rank, **{flag: on})})
             save()
+
+
+def silu_part(rows, save) -> None:
+    """SiLU·mul in the gate/up kernel (Engine.silu_in_kernel, kernel.linear_silu: session 20) against the separate
+    kernel, interleaved three times: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens, no adapter."""
+    toggle_ab(packed_7b(), rows, save, "silu_in_kernel", "silu-kernel")
 
 
 def rope_attn_part(rows, save) -> None:
@@ -516,14 +528,8 @@ def rope_attn_part(rows, save) -> None:
     fused.rope_decode_attn: session 22) against rope_kv + decode_attn, interleaved three times: 7B shapes (NVFP4),
     batch 8, 256 -> 512 tokens, no adapter; then with a rank-32 adapter, attention in our kernel ("wave", rotary
     inside) against the default with an adapter (SDPA after rope_kv)."""
-    big = pack_model_inplace(random_model(qwen7b_config()))
-    gc.collect()
-    torch.cuda.empty_cache()
-    for _ in range(3):
-        for on in (True, False):
-            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4" + ("" if on else " rope_kv+attn"),
-                         "batch": 8, **time_engine(big, 8, 256, 512, 152064, rope_in_attn=on)})
-            save()
+    big = packed_7b()
+    toggle_ab(big, rows, save, "rope_in_attn", "rope_kv+attn")
     for attn in ("wave", None):
         rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + (" attn:wave" if attn else " sdpa"),
                      "batch": 8, **time_engine(big, 8, 256, 512, 152064, lora_rank=32, decode_attn=attn)})
@@ -534,14 +540,7 @@ def silu_lora_part(rows, save) -> None:
     """With a rank-32 adapter: the gate/up group's LoRA term inside the SiLU·mul pair kernel (Engine.
     silu_lora_in_kernel, session 22; down's shrink then in fused.lora_shrink) against the [M, 2I] product and the
     SiLU·mul kernel with down's shrink, interleaved three times: 7B shapes (NVFP4), batch 8, 256 -> 512 tokens."""
-    big = pack_model_inplace(random_model(qwen7b_config()))
-    gc.collect()
-    torch.cuda.empty_cache()
-    for _ in range(3):
-        for on in (True, False):
-            rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4 +lora32" + ("" if on else " silu-kernel"),
-                         "batch": 8, **time_engine(big, 8, 256, 512, 152064, lora_rank=32, silu_lora_in_kernel=on)})
-            save()
+    toggle_ab(packed_7b(), rows, save, "silu_lora_in_kernel", "silu-kernel", rank=32)
 
 
 def aligned_part(rows, save, cluster: bool = False) -> None:
