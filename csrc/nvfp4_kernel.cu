@@ -1744,7 +1744,9 @@ static bool lora_aug_for(int64_t M, int64_t n, const at::Tensor& x, const at::Te
 // stream-K split is that of the block-interleaved weight (gate block j, up block j, ...) — against the plain
 // weight's product the rows cut between CTAs are cut elsewhere, so fp32 sums differ in order there. Returns false,
 // launching nothing, where that kernel does not take it (M outside 1..64, x not bf16, n not a multiple of 32 or
-// the weight padded past n rows).
+// the weight padded past n rows). hs, bs, segs (both or neither): a LoRA term as linear_lora_out takes it, bs's
+// columns in the weight's row order (gate rows first); the kernel adds each physical row's term in fp32 before
+// the SiLU (session 22).
 bool linear_silu_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
                      at::Tensor& out, const c10::optional<at::Tensor>& hs, const c10::optional<at::Tensor>& bs,
                      const std::vector<int64_t>& segs) {

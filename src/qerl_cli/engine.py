@@ -622,9 +622,22 @@ class Engine:
         ``bf16(x @ A^T)`` comes from the kernel that made ``x`` or ``fused.lora_shrink`` up to
         ``fused.LORA_MAX_ROWS`` rows, from a matmul (bf16 out) above, up to ``kernel.LORA_MAX_ROWS``: the batches
         of RL rollouts (prompts x group) then skip the expand's launch too."""
+        _, bs, segs = terms
+        x2, shrunk = self._term_in_kernel(base, x, terms, shrunk)
+        if x2 is None:
+            return None, shrunk
+        y = _kernel.linear_lora(x2, base.qweight, base.global_scale, base.out_features, base.in_features, shrunk,
+                                bs, segs, bias=base.bias)
+        return (None if y is None else y.view(*x.shape[:-1], base.out_features)), shrunk
+
+    def _term_in_kernel(self, base, x: torch.Tensor, terms: tuple, shrunk: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(x as contiguous [rows, in], shrink)`` where the batched LoRA ``terms`` of packed ``base`` can ride
+        in its NVFP4 kernel (no-grad bf16 CUDA decode rows, the LoRA kernels on, no autocast, a small-M kernel runs
+        the product), the shrink made here if not given; ``(None, shrunk)`` where not."""
         from .packed_model import PackedLinear
 
-        a, bs, segs = terms
+        a, bs, _ = terms
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         # (bf16 CUDA tensors are the kernels' own checks: each declines anything else)
         if not (self.lora_in_kernel and self._kernels and self.lora_kernels and isinstance(base, PackedLinear)
@@ -637,9 +650,7 @@ class Engine:
             shrunk = _fk.lora_shrink(x2, a) if rows <= _fk.LORA_MAX_ROWS else x2 @ a.t()
             if shrunk is None:
                 return None, None
-        y = _kernel.linear_lora(x2, base.qweight, base.global_scale, base.out_features, base.in_features, shrunk,
-                                bs, segs, bias=base.bias)
-        return (None if y is None else y.view(*x.shape[:-1], base.out_features)), shrunk
+        return x2, shrunk
 
     def _fused_out(self, f: _Fused, x: torch.Tensor, shrunk: torch.Tensor | None = None) -> torch.Tensor:
         """The fused group's output ``[..., sum(sizes)]``, each member's LoRA added to its slice (``shrunk``:
@@ -827,20 +838,12 @@ class Engine:
             a = _kernel.linear_silu(x2, b.qweight, b.global_scale, b.out_features, b.in_features)
             return None if a is None else a.view(*x.shape[:-1], f.sizes[0])
         snap = self._lora_snap.get(id(f)) if self._lora_snap is not None else None
-        rows = x2.shape[0]
-        if not (self.silu_lora_in_kernel and isinstance(snap, tuple) and self.lora_in_kernel and self._kernels
-                and not torch.is_grad_enabled()
-                and self.lora_kernels and x.dtype == snap[0].dtype == snap[1].dtype and 0 < rows <= _kernel.LORA_MAX_ROWS
-                and not torch.is_autocast_enabled(x.device.type)
-                and _kernel.takes_lora(rows, b.out_features, b.in_features)):
+        if not (self.silu_lora_in_kernel and isinstance(snap, tuple)):
             return None
-        a_fac, bs, segs = snap
-        x2 = x2.contiguous()
-        if shrunk is None:
-            shrunk = _fk.lora_shrink(x2, a_fac) if rows <= _fk.LORA_MAX_ROWS else x2 @ a_fac.t()
-            if shrunk is None:
-                return None
-        a = _kernel.linear_silu(x2, b.qweight, b.global_scale, b.out_features, b.in_features, shrunk, bs, segs)
+        x2, shrunk = self._term_in_kernel(b, x, snap, shrunk)
+        if x2 is None:
+            return None
+        a = _kernel.linear_silu(x2, b.qweight, b.global_scale, b.out_features, b.in_features, shrunk, *snap[1:])
         return None if a is None else a.view(*x.shape[:-1], f.sizes[0])
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
