@@ -147,6 +147,8 @@
 #   60                             session 22 (sm_90a code only): build, the pair-mode GPU tests (-k linear_silu)
 #   (61)                           session 22, an ad-hoc call on the warm machine after 60: the engine, LoRA-term,
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
+#   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
+#                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
 #   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
 #                                  GPU tests, the 7B-shape rollout at batch 8 without and with a rank-32 adapter
 #                                  (bench_rollout.py --lora-only --profile: bf16 and NVFP4, and the adapter's profile)
