@@ -1760,11 +1760,11 @@ bool linear_silu_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   const int64_t M = x.size(0);
   if (M < 1 || M > kSliceTokens || x.scalar_type() != at::kBFloat16 || n % 32 != 0 || qw.size(0) * 16 != n)
     return false;
+  if (hs.has_value() != bs.has_value()) return false;
+  c10::cuda::CUDAGuard guard(qw.device());
   LoraAug la{};
   at::Tensor hk;  // (keeps the term's hs alive through the launch)
-  if (hs.has_value() != bs.has_value()) return false;
   if (hs.has_value() && (M > 8 * kLoraAugMaxTG || !lora_aug_for(M, n, x, *hs, *bs, segs, la, hk))) return false;
-  c10::cuda::CUDAGuard guard(qw.device());
   const at::Tensor xc = aligned_contiguous(x);
   const int Mi = (int)M, N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
   // the warps per block linear_out would run for this weight: 10 where it resolves to that variant, else 8
@@ -1790,11 +1790,11 @@ bool linear_lora_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   check_linear_args(x, qw, gs, n, k, out, bias);
   const int64_t M = x.size(0);
   if (M < 1 || M > 8 * kLoraAugMaxTG || x.scalar_type() != at::kBFloat16) return false;
+  c10::cuda::CUDAGuard guard(qw.device());
+  if (choose_path(M, n, k) != 0) return false;
   LoraAug la{};
   at::Tensor hk;
   if (!lora_aug_for(M, n, x, hs, bs, segs, la, hk)) return false;
-  c10::cuda::CUDAGuard guard(qw.device());
-  if (choose_path(M, n, k) != 0) return false;
   const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   run_mma(aligned_contiguous(x), qw, gs, bp, out, n, k, resolved_variant(M, n, k), la);
   return true;

@@ -233,8 +233,10 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch, mode):
 
     def counting(real):
         def counted(*a, **k):
-            calls.append(k.get("one_wave_only", False))
-            return real(*a, **k)
+            out = real(*a, **k)
+            if out is not None:  # (a call that declined falls back to the next route: not counted)
+                calls.append(k.get("one_wave_only", False))
+            return out
         return counted
 
     monkeypatch.setattr(fused, "decode_attn", counting(fused.decode_attn))
@@ -287,6 +289,8 @@ def _rope_case(b, h, kv, d, s_len, slot, seed=0):
     """A decode step's fused q/k/v row ``y [b, 1, (h + 2 kv) d]``, cos / sin ``[b, 1, d]`` of a position per row,
     and _case's caches, mask and slot; the step's own slot holds NaN in the caches (it must be written)."""
     _, kc, vc, key_mask, sl = _case(b, h, kv, d, s_len, slot, seed=seed)
+    kc[:, :, slot] = float("nan")
+    vc[:, :, slot] = float("nan")
     g = torch.Generator(device="cuda").manual_seed(seed + 100)
     y = torch.randn(b, 1, (h + 2 * kv) * d, device="cuda", generator=g).bfloat16()
     pos = torch.randint(0, 4096, (b, 1, 1), device="cuda", generator=g).float()
@@ -364,15 +368,28 @@ def test_rope_decode_attn_graph_replay_and_declines():
     assert _same_bits(kc, before_k) and _same_bits(vc, before_v)
 
 
-def test_engine_rope_in_attn_same_bits(model64):
-    """The engine with the rotary inside the attention kernel (the default) samples the same tokens with the same
-    behaviour log-probs as with rope_kv + decode_attn (the same bits in every step), in its CUDA graph."""
+def test_engine_rope_in_attn_same_bits(model64, monkeypatch):
+    """The engine with the rotary inside the attention kernel (the default; its calls counted) samples the same
+    tokens with the same behaviour log-probs as with rope_kv + decode_attn (the same bits in every step), in its
+    CUDA graph."""
+    made = []
+    real = fused.rope_decode_attn
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        made.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "rope_decode_attn", counted)
     on, off = Engine(model64, "cuda"), Engine(model64, "cuda")
     on.decode_attn = off.decode_attn = "wave"
     assert on.rope_in_attn
     off.rope_in_attn = False
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=24)
     a = on.generate(PROMPTS, 4, cfg, 11, set(), 0)
+    assert made and all(made)  # (the warm-up and the captured step ran the fused kernel)
+    n_on = len(made)
     b = off.generate(PROMPTS, 4, cfg, 11, set(), 0)
+    assert len(made) == n_on
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)

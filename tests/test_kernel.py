@@ -352,15 +352,20 @@ def test_gpu_auto_variant_rules():
     qkv7_small = "v2w8" if _aligned_splits(36, 56, cap) > 0 else "default"
     o7_small = "v2w8" if _aligned_splits(28, 56, cap) > 0 else "default"
     # session 22: v2w8 also where its aligned grid forms at M <= 8 (32B q/k/v), and at 8 < M <= 16 where that
-    # grid's split sums run in clusters (asked of the device: a forced v2w8 launch at M = 16)
+    # grid's split sums run in clusters (asked of the device: a forced v2w8 launch at each M)
     qkv32_small = "v2w8" if _aligned_splits(56, 80, cap) > 0 else "v2"
-    cl16 = {s: _w8_clusters_at(16, *s) for s in (qkv7, o7, qkv32, o32)}
+
+    def mid(m: int) -> dict:  # 8 < m <= 16
+        cl = {s: _w8_clusters_at(m, *s) for s in (qkv7, o7, qkv32, o32)}
+        return {qkv7: "v2w8" if cl[qkv7] else "alt", o7: "v2w8" if cl[o7] else "alt", gu7: gu7_small, dn7: "v2w8",
+                qkv32: "v2w8" if cl[qkv32] else "default", o32: "v2w8" if cl[o32] else "alt", gu32: "v2w8",
+                dn32: "v2w8"}
+
     expect = {  # M range -> shape -> variant
         (1, 8): {qkv7: qkv7_small, o7: o7_small, gu7: gu7_small, dn7: "v2w8", qkv32: qkv32_small, o32: "v2w8",
                  gu32: "v2w8", dn32: "v2w8"},
-        (9, 16): {qkv7: "v2w8" if cl16[qkv7] else "alt", o7: "v2w8" if cl16[o7] else "alt", gu7: gu7_small,
-                  dn7: "v2w8", qkv32: "v2w8" if cl16[qkv32] else "default", o32: "v2w8" if cl16[o32] else "alt",
-                  gu32: "v2w8", dn32: "v2w8"},
+        (9,): mid(9),
+        (16,): mid(16),
         (17, 32, 33, 64): {qkv7: "default", o7: "default", gu7: "v2w8", dn7: "v2", qkv32: "default",
                            o32: "default", gu32: "v2w8", dn32: "v2w8"},
     }

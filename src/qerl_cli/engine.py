@@ -805,8 +805,10 @@ class Engine:
         ``shrunk``: the gate/up terms' shrink already made; ``down_terms``: the down projection's batched LoRA
         terms, whose shrink then rides in the SiLU·mul kernel where it takes them)."""
         mlp, pre = self.layers[i].mlp, f"model.layers.{i}.mlp."
-        if silu_mul is _silu_mul_kernel and (a := self._silu_in_kernel(i, x, shrunk, down_terms is None)) is not None:
-            return self._linear(mlp.down_proj, pre + "down_proj", a)  # (down's LoRA shrink: fused.lora_shrink)
+        if silu_mul is _silu_mul_kernel:
+            a, shrunk = self._silu_in_kernel(i, x, shrunk, down_terms is None)
+            if a is not None:
+                return self._linear(mlp.down_proj, pre + "down_proj", a)  # (down's LoRA shrink: fused.lora_shrink)
         g, u = self._group(i, "gate_up", [mlp.gate_proj, mlp.up_proj], [pre + "gate_proj", pre + "up_proj"], x,
                            shrunk)
         made = _fk.silu_mul_shrink(g, u, down_terms[0]) if down_terms is not None else None
@@ -815,36 +817,37 @@ class Engine:
         return self._linear(mlp.down_proj, pre + "down_proj", made[0], made[1])
 
     def _silu_in_kernel(self, i: int, x: torch.Tensor, shrunk: torch.Tensor | None = None,
-                        down_plain: bool = True) -> torch.Tensor | None:
-        """``silu(gate) * up`` of layer ``i`` on normed ``x`` from one NVFP4 kernel launch (``kernel.linear_silu``)
-        where its fused gate/up group is packed, unbiased, of two equal members without a peft LoRA; our adapter's
-        batched term of the group rides in the same launch (``shrunk``: its shrink already made) where the kernel
-        takes it (``silu_lora_in_kernel``, the conditions of ``_lora_in_kernel``). ``down_plain``: the down
-        projection has no LoRA term; where it has one, this route is taken only together with the group's term
-        (down's shrink then runs in ``fused.lora_shrink`` instead of the SiLU·mul kernel). None where not (the
-        caller runs the group, then the SiLU·mul kernel)."""
+                        down_plain: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(silu(gate) * up, shrunk)`` of layer ``i`` on normed ``x`` from one NVFP4 kernel launch
+        (``kernel.linear_silu``) where its fused gate/up group is packed, unbiased, of two equal members without a
+        peft LoRA; our adapter's batched term of the group rides in the same launch (``shrunk``: its shrink, made
+        here if not given) where the kernel takes it (``silu_lora_in_kernel``, the conditions of
+        ``_term_in_kernel``). ``down_plain``: the down projection has no batched LoRA term; where it has one, this
+        route is taken only with ``silu_lora_in_kernel`` on (down's shrink then runs in ``fused.lora_shrink``
+        instead of the SiLU·mul kernel), whether the group has a term or not. ``(None, shrunk)`` where not (the
+        caller runs the group with that shrink, then the SiLU·mul kernel)."""
         from .packed_model import PackedLinear
 
         f = self.fused[i].get("gate_up")
         if not (self.silu_in_kernel and f is not None and isinstance(f.base, PackedLinear) and f.base.bias is None
                 and len(f.sizes) == 2 and f.sizes[0] == f.sizes[1]
                 and not any(hasattr(m, "lora_A") for m in f.modules)):
-            return None
+            return None, shrunk
         b = f.base
-        x2 = x.reshape(-1, x.shape[-1])
         if self.lora is None or not any(n in self.lora.factors for n in f.names):
             if not down_plain and not self.silu_lora_in_kernel:
-                return None
-            a = _kernel.linear_silu(x2, b.qweight, b.global_scale, b.out_features, b.in_features)
-            return None if a is None else a.view(*x.shape[:-1], f.sizes[0])
+                return None, shrunk
+            a = _kernel.linear_silu(x.reshape(-1, x.shape[-1]), b.qweight, b.global_scale, b.out_features,
+                                    b.in_features)
+            return (None if a is None else a.view(*x.shape[:-1], f.sizes[0])), shrunk
         snap = self._lora_snap.get(id(f)) if self._lora_snap is not None else None
         if not (self.silu_lora_in_kernel and isinstance(snap, tuple)):
-            return None
+            return None, shrunk
         x2, shrunk = self._term_in_kernel(b, x, snap, shrunk)
         if x2 is None:
-            return None
+            return None, shrunk
         a = _kernel.linear_silu(x2, b.qweight, b.global_scale, b.out_features, b.in_features, shrunk, *snap[1:])
-        return None if a is None else a.view(*x.shape[:-1], f.sizes[0])
+        return (None if a is None else a.view(*x.shape[:-1], f.sizes[0])), shrunk
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                    cache, slots: torch.Tensor | None, ops: _Ops, kernels: bool = False,

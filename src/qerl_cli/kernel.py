@@ -225,7 +225,9 @@ def set_v2_cluster(on: bool) -> None:
     on, ``QERL_KERNEL_V2_CLUSTER=0`` off): the s CTAs of a row group (s <= 8) run as one cluster and add their
     fp32 partials through distributed shared memory in split order, instead of the fp32 workspace and a ticket:
     the same order, so the same bits (tested). Only where every cluster fits on the device at once (8-warp
-    instances, M <= 16). A no-op without the CUDA extension."""
+    instances, M <= 16). Off, ``auto`` also changes its choice at 8 < M <= 16 for the weights of < 6e7 entries
+    that take v2w8 only where its sums run in clusters (session 22: the 32B q/k/v and o, the 7B o go back to the
+    v1 kernel there), so an A/B of the sums alone forces v2w8. A no-op without the CUDA extension."""
     ext = _load()
     if ext is not None:
         ext.set_v2_cluster(bool(on))
