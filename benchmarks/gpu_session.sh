@@ -149,6 +149,8 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
+#   63                             (prepared in session 22) build, the decode-attention, engine, LoRA-term and kernel
+#                                  GPU test files: the review fixes made after session 22's last device call
 #   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
 #                                  GPU tests, the 7B-shape rollout at batch 8 without and with a rank-32 adapter
 #                                  (bench_rollout.py --lora-only --profile: bf16 and NVFP4, and the adapter's profile)
@@ -748,6 +750,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( ${T58:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --silu-lora \
     --json "$OUT/rollout_7b_silu_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_silu_lora.log" | grep -v '^{' | grep -v '━\|──'
   stamp 58 "rollouts done"
+  ;;
+63)
+  # prepared in session 22 for the next session: the GPU tests of the review fixes made after the last device call
+  sm90_start
+  build; stamp 63 "build done"
+  COLUMNS=200 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_decode_attn_gpu.py \
+    tests/test_engine_gpu.py tests/test_lora_in_kernel_gpu.py tests/test_kernel.py > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 63 "GPU tests done"
   ;;
 60)
   sm90_start
