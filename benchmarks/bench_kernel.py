@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--both-paths-from", type=int, default=32,
                     help="also time the mma kernel and dequantize+cuBLAS separately for M >= this (<= 1024)")
+    ap.add_argument("--tiled-from", type=int, default=32,
+                    help="also time the tiled tensor-core kernel (path 2), each tile forced, for M >= this")
     ap.add_argument("--variant", default="auto", choices=sorted(kernel.VARIANTS),
                     help="small-M kernel variant used for the 'ours' column")
     args = ap.parse_args()
@@ -175,6 +177,22 @@ def main() -> int:
                                                      cq * math.ceil(calls_target / cq))
                     row["dequant_cublas_us"] = 1e6 * time_graph(
                         lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
+                if args.tiled_from <= m and hasattr(ext, "set_tc_cfg"):
+                    # the tiled tensor-core kernel (path 2), each tile configuration forced, with the split it chose
+                    for cfg in (1, 2, 3):
+                        ext.set_tc_cfg(cfg)
+                        out.fill_(float("nan"))
+                        ext.linear_out(x, qws[0], gs, n, k, out, 2)
+                        row[f"tc{cfg}_split"] = int(ext.last_tc()) % 1000
+                        if m <= 1024:
+                            ref2 = x.float() @ w32.t()
+                            row[f"tc{cfg}_rel_err"] = float((out.float() - ref2).norm() / ref2.norm())
+                            del ref2
+                        row[f"tc{cfg}_nan"] = bool(torch.isnan(out).any())
+                        row[f"tc{cfg}_us"] = 1e6 * time_graph(
+                            lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 2), cq,
+                            cq * math.ceil(calls_target / cq))
+                    ext.set_tc_cfg(0)
 
                 def time_forced(code: int) -> float:
                     """us per call of the mma path with small-M variant `code` forced."""
@@ -227,6 +245,13 @@ def main() -> int:
                 rows.append(row)
                 alt = (f"  mma {row['mma_us']:8.1f}  deq+cublas {row['dequant_cublas_us']:8.1f}"
                        if "mma_us" in row else "")
+                for cfg in (1, 2, 3):
+                    if f"tc{cfg}_us" in row:
+                        bad = ", NaN!" if row[f"tc{cfg}_nan"] else ""
+                        e2 = row.get(f"tc{cfg}_rel_err")
+                        alt += (f"  tc{cfg} {row[f'tc{cfg}_us']:7.1f} (S {row[f'tc{cfg}_split']}, x"
+                                f"{row['cublas_us'] / row[f'tc{cfg}_us']:4.2f}"
+                                f"{'' if e2 is None else f', err {e2:.1e}'}{bad})")
                 alt += f"  no-PDL {row['ours_nopdl_us']:7.1f}" if "ours_nopdl_us" in row else ""
                 alt += f"  alt {row['alt_variant_us']:6.1f}" if "alt_variant_us" in row else ""
                 alt += f"  dflt {row['default_variant_us']:6.1f}" if "default_variant_us" in row else ""
@@ -259,7 +284,9 @@ def main() -> int:
               "kernel.linear (auto path), with programmatic dependent launch (each call's prologue overlaps the "
               "previous call; ours_nopdl_us: without it); *_nocluster_us: the v1 kernel's split-K through the "
               "workspace instead of thread-block clusters; *_split: its K split (negative: reduced in a cluster); "
-              "*_cluster_us (M > 16): with clusters allowed there",
+              "*_cluster_us (M > 16): with clusters allowed there; tc1/tc2/tc3_us: the tiled tensor-core kernel "
+              "(path 2) with 128x128 (8 warps), 128x64 (8 warps), 128x64 (4 warps) tiles forced, tc*_split its K "
+              "split",
               "wall_s": time.time() - t_start, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -271,16 +298,19 @@ def print_table(result: dict) -> None:
     print(f"\n{result['device']}: copy bandwidth {result['copy_bw_bytes_per_s'] / 1e12:.2f} TB/s")
     print(f"ours = small-M variant {result.get('variant', 'default')}")
     hdr = ("| model | layer | N | K | M | path | ours µs | cuBLAS µs | speed-up | GB/s | % copy | TFLOP/s "
-           "| ours without PDL µs | v2 µs | v2 speed-up |")
+           "| ours without PDL µs | v2 µs | v2 speed-up | deq+cuBLAS µs | tiled µs (tile) | tiled speed-up |")
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in result["rows"]:
-        path = "mma" if r["path"] == kernel.BACKEND_KERNEL else "deq+cuBLAS"
+        path = {kernel.BACKEND_KERNEL: "mma", kernel.BACKEND_TILED: "tiled"}.get(r["path"], "deq+cuBLAS")
         v2 = (f"{r['v2_us']:.1f} | {r['v2_speedup_vs_cublas']:.2f}" if "v2_us" in r else "— | —")
         v2 = (f"{r['ours_nopdl_us']:.1f} | " if "ours_nopdl_us" in r else "— | ") + v2
+        tcs = [(r[f"tc{c}_us"], c) for c in (1, 2, 3) if f"tc{c}_us" in r]
+        tiled = (f"{min(tcs)[0]:.1f} (tc{min(tcs)[1]}) | {r['cublas_us'] / min(tcs)[0]:.2f}" if tcs else "— | —")
+        deq = f"{r['dequant_cublas_us']:.1f}" if "dequant_cublas_us" in r else "—"
         print(f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {path} | {r['ours_us']:.1f} | "
               f"{r['cublas_us']:.1f} | {r['speedup']:.2f} | {r['weight_gbps']:.0f} | {r['pct_copy_bw']:.0f} | "
-              f"{r['tflops']:.1f} | {v2} |")
+              f"{r['tflops']:.1f} | {v2} | {deq} | {tiled} |")
 
 
 if __name__ == "__main__":

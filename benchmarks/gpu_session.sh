@@ -149,6 +149,8 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
+#   64                             session 23: build, the tiled tensor-core kernel's and mid/large-M GPU tests, the
+#                                  kernel bench at M = 64-4096 with the tiled kernel's three tiles forced (MODELS, MS)
 #   63                             (prepared in session 22) build, the decode-attention, engine, LoRA-term and kernel
 #                                  GPU test files: the review fixes made after session 22's last device call
 #   57                             session 22, final main: build, the LoRA-term, train, calibrate and extension-error
@@ -750,6 +752,18 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( ${T58:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --silu-lora \
     --json "$OUT/rollout_7b_silu_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_silu_lora.log" | grep -v '^{' | grep -v '━\|──'
   stamp 58 "rollouts done"
+  ;;
+64)
+  # session 23: build, the tiled tensor-core kernel's GPU tests (path 2) and the mid/large-M kernel tests, then the
+  # kernel bench from M = 64 to 4096 with the tiled kernel's three tiles forced beside mma / dequantize + cuBLAS
+  sm90_start
+  build; stamp 64 "build done"
+  COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    -k "tiled or mid_m or large_m or all_codes" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 64 "GPU tests done"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} \
+    --ms "${MS:-64,128,256,512,1024,2048,4096}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  grep -v "^|" "$OUT/bench_kernel.log" | cut -c1-400 | tail -n 60; stamp 64 "kernel bench done"
   ;;
 63)
   # prepared in session 22 for the next session: the GPU tests of the review fixes made after the last device call

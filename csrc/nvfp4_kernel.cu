@@ -1087,6 +1087,212 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// nvfp4_tc_kernel (session 23): the tiled tensor-core path for mid M (batched decode at batch 64-512, prefill chunks,
+// log-prob passes of small batches), where the small-M kernels re-read their staged activations per 64 tokens and
+// dequantize + cuBLAS pays for writing and reading a bf16 copy of the weight. One CTA computes a tile of
+// WR * R * 16 output rows x WT * TG * 8 tokens; its K range is cut into 64-input tiles that move through a
+// kTcStages-deep cp.async pipeline, both operands through shared memory: the tile records as they lie in the packed
+// weight (each lane's 16 code bytes and 8 scale bytes are its A fragments, decoded in registers exactly as in the
+// small-M kernels) and the activations as [tokens][64 + 8] bf16 rows (144-byte rows: ldmatrix conflict-free). Warp
+// (wr, wt) owns R row blocks x TG token groups; every weight fragment meets TG token groups and every activation
+// fragment R row blocks. Split-K (the host picks S so that the grid fills the GPU): fp32 partials in a workspace,
+// the last CTA of a tile (ticket counter, self-resetting) adds them in split order, as the small-M kernels do.
+constexpr int kTcStages = 4;
+
+template <int WR, int WT, int R, int TG>
+struct TcCfg {
+  static constexpr int kThreads = WR * WT * 32;
+  static constexpr int kRowBlocks = WR * R;  // 16-row blocks per CTA
+  static constexpr int kRows = kRowBlocks * 16;
+  static constexpr int kTokens = WT * TG * 8;
+  static constexpr int kLdx = 72;  // staged activation row: 64 inputs + 8 (elements)
+  static constexpr int kWBytes = kRowBlocks * kRecordBytes;
+  static constexpr int kXBytes = kTokens * kLdx * 2;
+  static constexpr int kStageBytes = kWBytes + kXBytes;
+  static constexpr int kLdo = kRows + 8;  // bf16 output staging row (elements)
+  static constexpr int kSmem = kTcStages * kStageBytes;
+  static_assert(kWBytes % 16 == 0 && kStageBytes % 16 == 0, "16-byte aligned stages");
+  static_assert(kTokens * kLdo * 2 <= kSmem, "output staging fits the pipeline buffers");
+};
+
+__device__ __forceinline__ void lds128(uint4& v, uint32_t a) {
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+}
+__device__ __forceinline__ void lds64(uint2& v, uint32_t a) {
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+}
+
+template <int WR, int WT, int R, int TG, int MINB>
+__global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
+    const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split, int vec_out) {
+  using C = TcCfg<WR, WT, R, TG>;
+  extern __shared__ __align__(16) uint8_t tc_smem[];
+  __shared__ int s_last;
+  qerl_pdl::trigger();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = warp % WR, wt = warp / WR;
+  const int g = lane >> 2, t = lane & 3;
+  const int rt = blockIdx.x, mt = blockIdx.y, split = blockIdx.z;
+  const int rb0 = rt * C::kRowBlocks, tok0 = mt * C::kTokens;
+  const int kt0 = split * tiles_per_split;
+  const int ntiles = min(KT, kt0 + tiles_per_split) - kt0;
+  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(tc_smem));
+
+  qerl_pdl::wait();
+  // K tile kt0 + i into slot i % kTcStages (an empty commit group past the range keeps the group count uniform)
+  auto load_stage = [&](int i) {
+    if (i < ntiles) {
+      const int kt = kt0 + i;
+      const uint32_t sw = sbase + (uint32_t)((i % kTcStages) * C::kStageBytes);
+      const uint32_t sx = sw + C::kWBytes;
+      for (int c = tid; c < C::kRowBlocks * (kRecordBytes / 16); c += C::kThreads) {
+        const int b = c / (kRecordBytes / 16), o = c % (kRecordBytes / 16);
+        const bool ok = rb0 + b < NT;  // row blocks past the weight: zeros (their outputs are not written)
+        const uint8_t* src = qw + ((size_t)(ok ? rb0 + b : 0) * KT + kt) * kRecordBytes + 16 * o;
+        cp_async16(sw + (uint32_t)(b * kRecordBytes + 16 * o), src, ok);
+      }
+      for (int c = tid; c < C::kTokens * 8; c += C::kThreads) {
+        const int m = c >> 3, o = c & 7;
+        const int kk = kt * 64 + 8 * o;
+        const bool ok = tok0 + m < M && kk < K;  // absent tokens and inputs past K: zeros
+        const __nv_bfloat16* src = ok ? x + (size_t)(tok0 + m) * K + kk : x;
+        cp_async16(sx + (uint32_t)((m * C::kLdx + 8 * o) * 2), src, ok);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kTcStages - 1; ++i) load_stage(i);
+
+  // this lane's ldmatrix row (token) and 8-input column block in token group 0 (group q: + q * 8 rows)
+  const uint32_t lrow0 = (uint32_t)(((wt * TG * 8 + (lane & 7)) * C::kLdx + 8 * (lane >> 3)) * 2);
+  float acc[R][TG][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < TG; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][q][i] = 0.f;
+
+  for (int i = 0; i < ntiles; ++i) {
+    cp_async_wait<kTcStages - 2>();
+    __syncthreads();  // tile i has landed for every thread; slot (i - 1) % kTcStages is free again
+    load_stage(i + kTcStages - 1);
+    const uint32_t sw = sbase + (uint32_t)((i % kTcStages) * C::kStageBytes);
+    WTile cur[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint32_t rec = sw + (uint32_t)((wr * R + r) * kRecordBytes);
+      lds128(cur[r].c, rec + 16 * lane);
+      lds64(cur[r].s, rec + kCodeBytes + 8 * g);
+    }
+#pragma unroll
+    for (int jp = 0; jp < 2; ++jp) {
+      uint32_t a[R][2][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t sw7f = (jp == 0 ? cur[r].s.x : cur[r].s.y) & 0x7F7F7F7Fu;
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const __nv_bfloat162 s2 = jj == 0 ? scale_pair<0>(sw7f) : scale_pair<1>(sw7f);
+          decode_subtile(a[r][jj], subtile_word(cur[r], 2 * jp + jj), __low2bfloat162(s2), __high2bfloat162(s2));
+        }
+      }
+      const uint32_t xb = sw + C::kWBytes + lrow0 + (uint32_t)(32 * jp * 2);
+#pragma unroll
+      for (int q = 0; q < TG; ++q) {
+        uint32_t b[4];
+        ldmatrix_x4(b, xb + (uint32_t)(q * 8 * C::kLdx * 2));
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          mma_bf16(acc[r][q], a[r][0], b[0], b[1]);
+          mma_bf16(acc[r][q], a[r][1], b[2], b[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline buffers are free: output staging below
+
+  const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
+  const int n0 = rb0 * 16;
+  const int nrows = min(C::kRows, N - n0), mrows = min(C::kTokens, M - tok0);
+  if (S == 1) {
+    // bf16 results staged as [token][row], then written out in 16-byte pieces along the rows
+    __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(tc_smem);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int q = 0; q < TG; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int nl = (wr * R + r) * 16 + g + 8 * (i >> 1);
+          const int ml = wt * TG * 8 + q * 8 + 2 * t + (i & 1);
+          if (nl < nrows) ob[ml * C::kLdo + nl] = out_value(acc[r][q][i] * alpha, bias, n0 + nl);
+        }
+    __syncthreads();
+    if (vec_out) {  // N % 8 == 0 and out 16-byte aligned (the host checks)
+      constexpr int CPR = C::kRows / 8;
+      for (int c = tid; c < mrows * CPR; c += C::kThreads) {
+        const int ml = c / CPR, nl = (c % CPR) * 8;
+        if (nl < nrows)
+          *reinterpret_cast<uint4*>(out + (size_t)(tok0 + ml) * N + n0 + nl) =
+              *reinterpret_cast<const uint4*>(ob + ml * C::kLdo + nl);
+      }
+    } else {
+      for (int c = tid; c < mrows * C::kRows; c += C::kThreads) {
+        const int ml = c / C::kRows, nl = c % C::kRows;
+        if (nl < nrows) out[(size_t)(tok0 + ml) * N + n0 + nl] = ob[ml * C::kLdo + nl];
+      }
+    }
+    return;
+  }
+  // split-K: this split's fp32 partial into the workspace; the last CTA of the tile adds them in split order
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < TG; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int nl = (wr * R + r) * 16 + g + 8 * (i >> 1);
+        const int ml = wt * TG * 8 + q * 8 + 2 * t + (i & 1);
+        if (nl < nrows && ml < mrows) ws[((size_t)split * M + tok0 + ml) * N + n0 + nl] = acc[r][q][i];
+      }
+  __threadfence();
+  __syncthreads();
+  const int ticket = mt * gridDim.x + rt;
+  if (tid == 0) s_last = atomicAdd(&counters[ticket], 1) == S - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int c = tid; c < mrows * C::kRows; c += C::kThreads) {
+    const int ml = c / C::kRows, nl = c % C::kRows;
+    if (nl >= nrows) continue;
+    const size_t o = (size_t)(tok0 + ml) * N + n0 + nl;
+    float sum = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 8) {  // eight loads in flight, added in split order
+      float p[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) p[j] = s0 + j < S ? __ldcg(ws + (size_t)(s0 + j) * M * N + o) : 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (s0 + j < S) sum += p[j];
+    }
+    out[o] = out_value(sum * alpha, bias, n0 + nl);
+  }
+  if (tid == 0) counters[ticket] = 0;  // ready for the next launch on this stream
+}
+
+// the tiled kernel's configurations (WR, WT, R, TG, MINB): 128 rows x 128 tokens (8 warps, 174 registers), 128 x 64
+// (8 warps, 128 registers), 128 x 64 (4 warps, 168 registers); none spills (ptxas, sm_90a)
+#define QERL_TC_CONFIGS(X) \
+  X(4, 2, 2, 8, 1)         \
+  X(4, 2, 2, 4, 2)         \
+  X(4, 1, 2, 8, 2)
+
 #define QERL_MMA_CONFIGS(X) \
   X(1, 1, 6, 12, 2, 6)            \
   X(1, 1, 4, 8, 2, 7)             \
@@ -1139,6 +1345,11 @@ template __global__ void nvfp4_mma_v2_kernel<2, 1, 4, 8, 2, 2, 8, false, true>(
     int, int, int, int, int, LoraAug);
 QERL_V2_PAIR_INSTANCE(1, 1, 4, 8, 2, 2, 10)
 QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 10)
+#define QERL_TC_INSTANCE(WR, WT, R, TG, MINB)                                                              \
+  template __global__ void nvfp4_tc_kernel<WR, WT, R, TG, MINB>(const __nv_bfloat16*, const uint8_t*, const float*, \
+                                                                const __nv_bfloat16*, __nv_bfloat16*, float*, int*,  \
+                                                                int, int, int, int, int, int, int, int);
+QERL_TC_CONFIGS(QERL_TC_INSTANCE)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
 template __global__ void nvfp4_dequant_kernel<float>(const uint8_t*, const float*, float*, int, int, int, int);
@@ -1180,6 +1391,16 @@ static int g_v2_aligned = 1;   // the stream-K kernel's grid aligned with its ro
 static int64_t g_last_v2_grid = 0;  // the CTA count of the last stream-K launch (tests)
 static int g_v2_cluster = 1;        // aligned grids' split-K sums through thread-block clusters (sm_90)
 static int g_last_v2_cluster = 0;   // the cluster size of the last stream-K launch (0: none; tests)
+// g_tc_max_m: linear_out's auto path takes the tiled kernel for g_large_m_threshold < M <= g_tc_max_m (0: never;
+// QERL_TC_MAX_M). g_tc_cfg: 0 auto (tc_auto_cfg), 1 128 x 128 tiles (8 warps), 2 128 x 64 (8 warps), 3 128 x 64
+// (4 warps). g_tc_split: > 0 that K split (tests, benchmarks), 0 chosen per shape.
+static int64_t g_tc_max_m = [] {
+  const char* e = std::getenv("QERL_TC_MAX_M");
+  return (int64_t)(e && *e ? std::atoll(e) : 0);
+}();
+static int g_tc_cfg = 0;
+static int64_t g_tc_split = 0;
+static int64_t g_last_tc = 0;  // the last tiled launch: cfg * 1000 + K split (tests)
 
 // Row-group-aligned grids of the stream-K kernel (session 21, benchmarks/results/s21/, H100): the timeline probe
 // found the CTAs whose equal share of the RG * KT units crosses a row group's end late (down at M = 8: their K
@@ -1270,7 +1491,7 @@ static bool clusters_for(int64_t M, int64_t n, int64_t k, int dev) {
 // dequantize path starts above the cluster M limit there.
 constexpr int64_t kDequantMaxWeights = 40000000;
 int64_t choose_path(int64_t M, int64_t n, int64_t k) {
-  if (M > g_large_m_threshold) return 1;
+  if (M > g_large_m_threshold) return M <= g_tc_max_m ? 2 : 1;
   if (M < 32 || n * k > kDequantMaxWeights) return 0;
   int dev = 0;
   cudaGetDevice(&dev);
@@ -1651,6 +1872,69 @@ static void run_mma(const at::Tensor& xc, const at::Tensor& qw, const at::Tensor
   }
 }
 
+// ---- the tiled tensor-core path (path 2) ----
+
+static int tc_auto_cfg(int64_t M) { return M <= 64 ? 3 : 1; }
+
+template <int WR, int WT, int R, int TG, int MINB>
+static void launch_tc(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
+                      at::Tensor& out, int M, int N, int K, int NT, int KT, int cfg) {
+  using C = TcCfg<WR, WT, R, TG>;
+  auto kern = nvfp4_tc_kernel<WR, WT, R, TG, MINB>;
+  const int dev = x.get_device();
+  const int occ = resident_ctas(kern, C::kThreads, (size_t)C::kSmem, dev);
+  const int64_t slots = (int64_t)num_sms(dev) * occ;
+  const int RT = (NT + C::kRowBlocks - 1) / C::kRowBlocks;
+  const int MT = (M + C::kTokens - 1) / C::kTokens;
+  const int64_t tiles = (int64_t)RT * MT;
+  // K split: waves of CTAs x (K tiles per CTA + pipeline fill), plus the fp32 partials (a CTA writes its tile's
+  // partial, about two K tiles of traffic; the last one reads all S); at least 4 K tiles per split
+  int S = 1;
+  double best = 1e300;
+  for (int s = 1; s <= std::max(1, std::min(32, KT / 4)); ++s) {
+    const int tps = (KT + s - 1) / s;
+    if ((KT + tps - 1) / tps != s) continue;
+    const double waves = std::ceil((double)(tiles * s) / (double)slots);
+    const double cost = waves * (tps + 2.0) + (s > 1 ? 2.0 + s : 0.0);
+    if (cost < best * 0.99) {
+      best = cost;
+      S = s;
+    }
+  }
+  if (g_tc_split > 0) {
+    const int want = (int)std::min<int64_t>(g_tc_split, KT);
+    const int tps = (KT + want - 1) / want;
+    S = (KT + tps - 1) / tps;
+  }
+  const int tps = (KT + S - 1) / S;
+  float* ws = nullptr;
+  int* counters = nullptr;
+  at::Tensor wsbuf;
+  if (S > 1) {
+    wsbuf = at::empty({(int64_t)S * M * N}, x.options().dtype(at::kFloat));
+    ws = wsbuf.data_ptr<float>();
+    counters = counters_for(x, tiles);
+  }
+  const int vec_out = N % 8 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  dim3 grid(RT, MT, S);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(qerl_pdl::launch_clustered(kern, grid, dim3(C::kThreads), (size_t)C::kSmem, stream, dev, 1u,
+                                             reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+                                             qw.data_ptr<uint8_t>(), gs.data_ptr<float>(), bias,
+                                             reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws, counters, M, N, K,
+                                             NT, KT, S, tps, vec_out));
+  g_last_tc = (int64_t)cfg * 1000 + S;
+}
+
+static void run_tc(const at::Tensor& xc, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bp,
+                   at::Tensor& out, int64_t n, int64_t k) {
+  const int M = (int)xc.size(0), N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
+  const int cfg = g_tc_cfg ? g_tc_cfg : tc_auto_cfg(M);
+  if (cfg == 1) launch_tc<4, 2, 2, 8, 1>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg);
+  else if (cfg == 2) launch_tc<4, 2, 2, 4, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg);
+  else launch_tc<4, 1, 2, 8, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg);
+}
+
 static void check_linear_args(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
                               const at::Tensor& out, const c10::optional<at::Tensor>& bias) {
   check_packed(qw, gs, n, k);
@@ -1673,7 +1957,8 @@ static at::Tensor aligned_contiguous(const at::Tensor& x) {
 }
 
 // x [M, K] bf16 contiguous -> out [M, N] bf16 contiguous (+ bias [N] of x's dtype, added after the bf16
-// rounding of the product, as `y + bias` would). path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS.
+// rounding of the product, as `y + bias` would). path: -1 auto, 0 mma kernel, 1 dequantize + cuBLAS, 2 the tiled
+// tensor-core kernel.
 // Returns the path taken.
 int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
                    at::Tensor& out, int64_t path, const c10::optional<at::Tensor>& bias) {
@@ -1682,7 +1967,12 @@ int64_t linear_out(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const int64_t M = x.size(0);
   if (M == 0) return 0;
   if (path < 0) path = x.scalar_type() == at::kBFloat16 ? choose_path(M, n, k) : 1;
-  if (path == 1 || x.scalar_type() != at::kBFloat16) {
+  if (path == 2 && x.scalar_type() == at::kBFloat16) {
+    const __nv_bfloat16* bp = bias.has_value() ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
+    run_tc(aligned_contiguous(x), qw, gs, bp, out, n, k);
+    return 2;
+  }
+  if (path != 0 || x.scalar_type() != at::kBFloat16) {
     at::Tensor w = at::empty({n, k}, x.options());
     dequantize_out(qw, gs, n, k, w);
     at::mm_out(out, x, w.t());
@@ -1842,6 +2132,19 @@ void set_variant(int64_t v) {
 }
 int64_t get_variant() { return g_variant; }
 int64_t get_large_m_threshold() { return g_large_m_threshold; }
+void set_tc_max_m(int64_t m) {
+  TORCH_CHECK(m >= 0, "qerl: the tiled kernel's M limit must be >= 0 (0: never chosen)");
+  g_tc_max_m = m;
+}
+void set_tc_cfg(int64_t c) {
+  TORCH_CHECK(c >= 0 && c <= 3, "qerl: tiled configuration must be 0 (auto), 1 (128 x 128), 2 (128 x 64, 8 warps) "
+                                "or 3 (128 x 64, 4 warps)");
+  g_tc_cfg = (int)c;
+}
+void set_tc_split(int64_t s) {
+  TORCH_CHECK(s >= 0, "qerl: the tiled kernel's split override must be >= 0 (0: chosen per shape)");
+  g_tc_split = s;
+}
 
 #ifdef QERL_TIMELINE
 // the timeline buffer (uint8 CUDA tensor, a multiple of 128 bytes; empty: off) on the current device; resets the count
@@ -1867,7 +2170,7 @@ int64_t timeline_count() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_out", &qerl::linear_out,
-        "x @ W^T (+ bias) into out; returns the path (0 mma kernel, 1 dequant+cuBLAS)", py::arg("x"), py::arg("qw"),
+        "x @ W^T (+ bias) into out; returns the path (0 mma kernel, 1 dequant+cuBLAS, 2 tiled kernel)", py::arg("x"), py::arg("qw"),
         py::arg("gs"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("path"), py::arg("bias") = py::none());
   m.def("linear_lora_out", &qerl::linear_lora_out,
         "x @ W^T (+ bias) + hs @ bs into out in one small-M kernel launch; false (nothing launched) where that kernel "
@@ -1904,7 +2207,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_t_out", &qerl::linear_t_out, "g @ W into out");
   m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
-  m.def("choose_path", &qerl::choose_path, "the path linear_out takes for bf16 x of M rows: 0 mma, 1 dequant+cuBLAS");
+  m.def("choose_path", &qerl::choose_path,
+        "the path linear_out takes for bf16 x of M rows: 0 mma, 1 dequant+cuBLAS, 2 tiled tensor-core kernel");
+  m.def("set_tc_max_m", &qerl::set_tc_max_m, "largest M the auto path gives the tiled kernel (0: never)");
+  m.def("get_tc_max_m", [] { return qerl::g_tc_max_m; });
+  m.def("set_tc_cfg", &qerl::set_tc_cfg, "the tiled kernel's tile (0 auto, 1 128x128, 2 128x64 8 warps, 3 128x64 4 warps)");
+  m.def("set_tc_split", &qerl::set_tc_split, "force the tiled kernel's K split (0: chosen per shape)");
+  m.def("last_tc", [] { return qerl::g_last_tc; }, "the last tiled launch: configuration * 1000 + K split");
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);
   m.def("set_variant", &qerl::set_variant,
         "small-M kernel: 0 default, 1 alternative mma configuration, 2 v2 (stream-K) for M <= 64, 3 auto (per shape), "

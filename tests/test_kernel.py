@@ -221,6 +221,9 @@ def test_available_reports_reason_without_cuda():
         pytest.skip("CUDA present")
     assert kernel.available() is False
     assert kernel.build_error()
+    assert kernel.tc_max_m() == 0 and "tc_max_m" not in kernel.settings()
+    with pytest.raises(RuntimeError, match="CUDA extension unavailable"):
+        kernel.set_tc_max_m(512)
 
 
 def test_linear_lora_declines_on_cpu():
@@ -259,7 +262,8 @@ def _check_linear(n, k, ms, kind="randn", seed=0, paths=(None,), tol=1e-2):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
             if path is None:
                 kernel.linear(x, qw, gs, n, k, out=out)
-                expect = kernel.BACKEND_KERNEL if ext.choose_path(m, n, k) == 0 else kernel.BACKEND_DEQUANT
+                expect = {0: kernel.BACKEND_KERNEL, 2: kernel.BACKEND_TILED}.get(int(ext.choose_path(m, n, k)),
+                                                                                   kernel.BACKEND_DEQUANT)
                 assert kernel.last_backend() == expect
             else:
                 ext.linear_out(x, qw, gs, n, k, out, path)
@@ -862,18 +866,122 @@ def test_gpu_pdl_weight_written_just_before():
             assert torch.equal(kernel.linear(x, buf, gbuf, n, k), expect[i]), (rep, i)
 
 
+@pytest.fixture
+def tiled_ext():
+    """The extension, with the tiled kernel's settings (tile, K split, auto M limit) restored afterwards."""
+    _need_kernel()
+    ext = kernel._load()
+    before = kernel.tc_max_m()
+    yield ext
+    ext.set_tc_cfg(0)
+    ext.set_tc_split(0)
+    ext.set_tc_max_m(before)
+
+
+def _tc_split(want: int, kt: int) -> int:
+    """The K split a forced ``set_tc_split(want)`` runs: the nearest one that leaves no split empty."""
+    want = min(want, kt)
+    tps = -(-kt // want)
+    return -(-kt // tps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(576, 576), (200, 80), (17, 48), (1000, 1008), (4608, 3584), (3584, 18944)])
+def test_gpu_tiled_kernel_every_tile_and_split(n, k, tiled_ext):
+    """Path 2, the tiled tensor-core kernel, under each tile configuration and K splits 1-3 (and the chosen one):
+    every output is written (poisoned with NaN first) and within 1e-2 of the fp32 product, also for ragged M, N
+    not a multiple of 8 (scalar stores) and K not a multiple of 64; at one forced split the three tiles give the
+    same bits (every output adds the same MMAs in the same order) and a repeat gives them again (the split-K
+    tickets reset themselves); the bias epilogue equals bf16(bf16(x W^T) + bias) bit for bit."""
+    ext = tiled_ext
+    qw, gs = make_packed(n, k, device="cuda", seed=n + k)
+    kt = -(-k // 64)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 7, 64, 65, 129, 300):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = ref_fp32(x, qw, gs, n, k)
+        for split in (1, 2, 3, 0):
+            ext.set_tc_split(split)
+            outs = {}
+            for cfg in (1, 2, 3):
+                ext.set_tc_cfg(cfg)
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                assert int(ext.linear_out(x, qw, gs, n, k, out, 2)) == 2
+                torch.cuda.synchronize()
+                last = int(ext.last_tc())
+                assert last // 1000 == cfg
+                if split:
+                    assert last % 1000 == _tc_split(split, kt), (m, split, cfg, last)
+                assert not torch.isnan(out).any(), f"unwritten output at m={m} split={split} tile={cfg}"
+                e = rel_err(out, ref)
+                assert e <= 1e-2, f"rel err {e:.2e} at m={m} split={split} tile={cfg}"
+                outs[cfg] = out
+                if split:
+                    again = torch.full_like(out, float("nan"))
+                    ext.linear_out(x, qw, gs, n, k, again, 2)
+                    assert torch.equal(again, out), (m, split, cfg)
+                    ob = torch.full_like(out, float("nan"))
+                    ext.linear_out(x, qw, gs, n, k, ob, 2, bias)
+                    assert torch.equal(ob, (out.float() + bias.float()).to(torch.bfloat16)), (m, split, cfg)
+            if split:
+                assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3]), (m, split)
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_kernel_misaligned_out(tiled_ext):
+    """An ``out`` that is a contiguous view 2 bytes past a 16-byte boundary: the tiled kernel's epilogue stores
+    element by element there (its 16-byte stores would fault) and writes the same bits."""
+    ext = tiled_ext
+    n, k, m = 576, 576, 100
+    qw, gs = make_packed(n, k, device="cuda", seed=5)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ext.set_tc_split(1)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ext.linear_out(x, qw, gs, n, k, out, 2)
+    buf = torch.full((m * n + 1,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    view = buf[1:].view(m, n)
+    assert view.data_ptr() % 16 != 0
+    ext.linear_out(x, qw, gs, n, k, view, 2)
+    torch.cuda.synchronize()
+    assert torch.equal(view, out) and torch.isnan(buf[0])
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_path_choice(tiled_ext):
+    """The auto path gives the tiled kernel large_m_threshold() < M <= tc_max_m() (0: never) and says so."""
+    ext = tiled_ext
+    n, k = 4608, 3584
+    ext.set_tc_max_m(0)
+    assert ext.choose_path(65, n, k) == 1 and ext.choose_path(512, n, k) == 1
+    kernel.set_tc_max_m(512)
+    assert kernel.tc_max_m() == 512 and kernel.settings()["tc_max_m"] == 512
+    assert ext.choose_path(64, 37888, 3584) == 0
+    assert ext.choose_path(65, n, k) == 2 and ext.choose_path(512, n, k) == 2 and ext.choose_path(513, n, k) == 1
+    qw, gs = make_packed(n, k, device="cuda", seed=3)
+    x = torch.randn(100, k, device="cuda", dtype=torch.bfloat16)
+    y = kernel.linear(x, qw, gs, n, k)
+    assert kernel.last_backend() == kernel.BACKEND_TILED
+    assert rel_err(y, ref_fp32(x, qw, gs, n, k)) <= 1e-2
+    kernel.linear(x.float(), qw, gs, n, k)  # fp32 x: dequantize + cuBLAS whatever the M
+    assert kernel.last_backend() == kernel.BACKEND_DEQUANT
+    with pytest.raises(ValueError, match="tc_max_m must be >= 0"):
+        kernel.set_tc_max_m(-1)
+    with pytest.raises(RuntimeError, match="tiled configuration"):
+        ext.set_tc_cfg(4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(576, 1536), (200, 80), (4608, 3584), (3584, 18944)])
 def test_gpu_linear_mid_m_both_paths(n, k):
     _need_kernel()
-    _check_linear(n, k, MID_M, seed=n + 3 * k, paths=(None, 0, 1))
+    _check_linear(n, k, MID_M, seed=n + 3 * k, paths=(None, 0, 1, 2))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(576, 576), (3584, 3584), (4608, 3584)])
 def test_gpu_linear_large_m(n, k):
     _need_kernel()
-    _check_linear(n, k, [2048, 4095, 8192], seed=k, paths=(None, 0))
+    _check_linear(n, k, [2048, 4095, 8192], seed=k, paths=(None, 0, 2))
 
 
 @pytest.mark.gpu
@@ -885,7 +993,7 @@ def test_gpu_linear_all_codes_and_subnormal_scales(kind, small_m_variant):
         s = layout.unpack(qw, n, k)[1].float()
         assert (s[1:] < 2.0 ** -6).float().mean() > 0.5
     for m in (1, 8, 16, 40, 300):
-        for path in (0, 1):
+        for path in (0, 1, 2):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             kernel._load().linear_out(x, qw, gs, n, k, out, path)

@@ -3,7 +3,7 @@
 Public API (all tensors may live on CPU, where the pure-torch reference runs)::
 
     available() -> bool
-    last_backend() -> str           # "cuda-kernel" | "cuda-dequant-cublas" | "torch-reference"
+    last_backend() -> str           # "cuda-kernel" | "cuda-tiled-kernel" | "cuda-dequant-cublas" | "torch-reference"
     linear(x, qweight, global_scale, n, k, *, out=None)   # x [..., k] -> x @ W^T  [..., n], x.dtype
     linear_t(g, qweight, global_scale, n, k)              # g [..., n] -> g @ W    [..., k]
     dequantize(qweight, global_scale, n, k, dtype=torch.bfloat16)  # [n, k]
@@ -19,7 +19,11 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 * bf16 ``x`` with at most ``large_m_threshold()`` rows (default 64): the mma.sync kernel that streams the
   packed weight and dequantizes in registers ("cuda-kernel"), except weights of <= 4e7 entries from M = 32 on
   where their K splits cannot reduce in a cluster (below: above the cluster M limit, or clusters off);
-* those, larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
+* bf16 ``x`` of ``large_m_threshold() < M <= tc_max_m()`` rows: the tiled tensor-core kernel ("cuda-tiled-kernel",
+  session 23): 128-row x 64- or 128-token tiles, both operands through a 4-stage cp.async pipeline in shared
+  memory, the weight dequantized in registers as in the small-M kernels, split-K where the tiles do not fill the
+  GPU; ``tc_max_m()`` is 0 (off) unless ``set_tc_max_m`` or ``QERL_TC_MAX_M`` sets it;
+* the rest, larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
   ("cuda-dequant-cublas"); ``linear_t`` always takes this path. (``choose_path`` in the CUDA source.)
 * an optional frozen ``bias`` is added in the kernel's epilogue, after the product's bf16 rounding;
 * the small-M kernels (and the engine's fused kernels, ``csrc/fused_ops.cu``) launch with programmatic
@@ -68,12 +72,13 @@ import torch
 from . import layout
 
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
-           "set_large_m_threshold", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
+           "set_large_m_threshold", "tc_max_m", "set_tc_max_m", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
            "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS", "set_v2_aligned", "set_v2_cluster",
            "settings"]
 
 BACKEND_KERNEL = "cuda-kernel"
 BACKEND_DEQUANT = "cuda-dequant-cublas"
+BACKEND_TILED = "cuda-tiled-kernel"
 BACKEND_REFERENCE = "torch-reference"
 
 VARIANTS = {"default": 0, "alt": 1, "v2": 2, "auto": 3, "v2w8": 4, "v2w10": 5}
@@ -285,6 +290,7 @@ def settings() -> dict:
     if ext is not None:
         out |= {"pdl": bool(ext.get_pdl()), "cluster_split": bool(ext.get_cluster()),
                 "cluster_max_m": int(ext.get_cluster_max_m()), "large_m_threshold": int(ext.get_large_m_threshold()),
+                "tc_max_m": int(ext.get_tc_max_m()),
                 "v2_aligned": bool(ext.get_v2_aligned()), "v2_cluster": bool(ext.get_v2_cluster())}
     return out
 
@@ -300,6 +306,23 @@ def set_large_m_threshold(m: int) -> None:
     if ext is None:
         raise RuntimeError(f"CUDA extension unavailable: {_ext_error}")
     ext.set_large_m_threshold(int(m))
+
+
+def tc_max_m() -> int:
+    """The largest M that bf16 ``linear`` gives the tiled tensor-core kernel (above ``large_m_threshold()``);
+    0: never (then dequantize + cuBLAS there)."""
+    ext = _load()
+    return int(ext.get_tc_max_m()) if ext is not None else 0
+
+
+def set_tc_max_m(m: int) -> None:
+    """Route bf16 ``linear`` of ``large_m_threshold() < M <= m`` rows to the tiled tensor-core kernel (0: never)."""
+    ext = _load()
+    if ext is None:
+        raise RuntimeError(f"CUDA extension unavailable: {_ext_error}")
+    if int(m) < 0:
+        raise ValueError(f"tc_max_m must be >= 0, got {m}")
+    ext.set_tc_max_m(int(m))
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -364,7 +387,7 @@ def _linear_into(x2: torch.Tensor, qweight: torch.Tensor, gs: torch.Tensor, n: i
         return
     path = ext.linear_out(x2, qweight.contiguous(), _gs(gs), n, k, out2, -1,
                           None if bias is None else bias.contiguous())
-    _set_backend(BACKEND_KERNEL if path == 0 else BACKEND_DEQUANT)
+    _set_backend({0: BACKEND_KERNEL, 2: BACKEND_TILED}.get(int(path), BACKEND_DEQUANT))
 
 
 @torch.library.custom_op("qerl::linear", mutates_args=())
