@@ -17,7 +17,21 @@
 #                                  7B-shape rollout bench (one call)
 #   10                             session 7: build, small-M floors (probe_small.py at M = 1 and 8), ncu counters
 #                                  of the 7B launches at M = 8, TESTS (default: the cluster equality test), kernel
-#                                  bench over MS (default 1,8,16,32,64)
+#                                  bench over MS (default 1,8,16,32,65)
+  # session 23: Nsight Compute on the tiled kernel's three tiles (7B gate/up and q/k/v at M = NCU_M, default 1024):
+  # speed of light, warp stall reasons, pipe use, memory tables, occupancy, scheduler
+  sm90_start
+  build; stamp 65 "build done"
+  timeout 300 ncu --clock-control none --kernel-name regex:nvfp4_tc --launch-skip 1 --launch-count 6 \
+    --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    python3 benchmarks/ncu_variants.py --m ${NCU_M:-1024} --variants tc1,tc3,tc2 --shapes gate_up,qkv --launches 2 \
+    > "$OUT/ncu_tiled.txt" 2>&1; echo "ncu rc $?"
+  grep -E "nvfp4_tc_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
+    "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
+  stamp 65 "ncu done"
+  ;;
+64)
 #   11 [AB=dir]                    session 7: build, A/B of this tree's kernel against the one in AB (default
 #                                  abtmp/, an older nvfp4_kernel.cu) in one process, then TESTS (default: the
 #                                  kernel's GPU tests)
@@ -149,6 +163,7 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
+#   65                             session 23: Nsight Compute on the tiled kernel's tiles (NCU_M, default 1024)
 #   64                             session 23: build, the tiled tensor-core kernel's and mid/large-M GPU tests, the
 #                                  kernel bench at M = 64-4096 with the tiled kernel's three tiles forced (MODELS, MS)
 #   63                             (prepared in session 22) build, the decode-attention, engine, LoRA-term and kernel

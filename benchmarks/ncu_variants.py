@@ -5,6 +5,9 @@ serialized; the kernel's template arguments in its name tell the variants apart,
         --section Occupancy --section MemoryWorkloadAnalysis_Tables \
         python3 benchmarks/ncu_variants.py --m 64 --variants default,alt
 
+Variants ``tc1``, ``tc2``, ``tc3`` are the tiled tensor-core kernel (path 2) with that tile configuration forced
+(``--kernel-name regex:nvfp4_tc``).
+
 Shapes: Qwen2.5-7B gate/up (37888 x 3584) and down (3584 x 18944), random packed weights (no download).
 """
 
@@ -44,13 +47,18 @@ def main() -> int:
         x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
         for v in names:
-            ext.set_variant(kernel.VARIANTS[v])
+            tiled = v.startswith("tc")
+            if tiled:
+                ext.set_tc_cfg(int(v[2:]))
+            else:
+                ext.set_variant(kernel.VARIANTS[v])
             torch.cuda.synchronize()
             print(f"ncu_variants: {shape} n={n} k={k} m={args.m} variant {v}: {args.launches} launches", flush=True)
             for _ in range(args.launches):
-                ext.linear_out(x, qw, gs, n, k, out, 0)
+                ext.linear_out(x, qw, gs, n, k, out, 2 if tiled else 0)
             torch.cuda.synchronize()
     ext.set_variant(3)
+    ext.set_tc_cfg(0)
     return 0
 
 
