@@ -18,20 +18,6 @@
 #   10                             session 7: build, small-M floors (probe_small.py at M = 1 and 8), ncu counters
 #                                  of the 7B launches at M = 8, TESTS (default: the cluster equality test), kernel
 #                                  bench over MS (default 1,8,16,32,65)
-  # session 23: Nsight Compute on the tiled kernel's three tiles (7B gate/up and q/k/v at M = NCU_M, default 1024):
-  # speed of light, warp stall reasons, pipe use, memory tables, occupancy, scheduler
-  sm90_start
-  build; stamp 65 "build done"
-  timeout 300 ncu --clock-control none --kernel-name regex:nvfp4_tc --launch-skip 1 --launch-count 6 \
-    --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section SchedulerStats \
-    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-    python3 benchmarks/ncu_variants.py --m ${NCU_M:-1024} --variants tc1,tc3,tc2 --shapes gate_up,qkv --launches 2 \
-    > "$OUT/ncu_tiled.txt" 2>&1; echo "ncu rc $?"
-  grep -E "nvfp4_tc_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
-    "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
-  stamp 65 "ncu done"
-  ;;
-64)
 #   11 [AB=dir]                    session 7: build, A/B of this tree's kernel against the one in AB (default
 #                                  abtmp/, an older nvfp4_kernel.cu) in one process, then TESTS (default: the
 #                                  kernel's GPU tests)
@@ -163,7 +149,10 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
-#   65                             session 23: Nsight Compute on the tiled kernel's tiles (NCU_M, default 1024)
+#   66                             session 23: build, the tiled kernels' (mma.sync tiles 1-3, wgmma tiles 4-7) and
+#                                  mid/large-M GPU tests, the kernel bench at M = 64-4096 with every tile forced
+#   65                             session 23: Nsight Compute on the tiled kernels' tiles (NCU_VARIANTS, default
+#                                  tc1,tc3,tc2; NCU_M, default 1024)
 #   64                             session 23: build, the tiled tensor-core kernel's and mid/large-M GPU tests, the
 #                                  kernel bench at M = 64-4096 with the tiled kernel's three tiles forced (MODELS, MS)
 #   63                             (prepared in session 22) build, the decode-attention, engine, LoRA-term and kernel
@@ -767,6 +756,32 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( ${T58:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 --silu-lora \
     --json "$OUT/rollout_7b_silu_lora.json" 2>&1 | tee "$OUT/bench_rollout_7b_silu_lora.log" | grep -v '^{' | grep -v '━\|──'
   stamp 58 "rollouts done"
+  ;;
+65)
+  # session 23: Nsight Compute on the tiled kernels (tiles NCU_VARIANTS; 7B gate/up and q/k/v at M = NCU_M):
+  # speed of light, warp stall reasons, pipe use, memory tables, occupancy, scheduler
+  sm90_start
+  build; stamp 65 "build done"
+  timeout 300 ncu --clock-control none --kernel-name regex:"nvfp4_(tc|wg)" --launch-skip 1 --launch-count 6 \
+    --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    python3 benchmarks/ncu_variants.py --m ${NCU_M:-1024} --variants ${NCU_VARIANTS:-tc1,tc3,tc2} --shapes gate_up,qkv --launches 2 \
+    > "$OUT/ncu_tiled.txt" 2>&1; echo "ncu rc $?"
+  grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
+    "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
+  stamp 65 "ncu done"
+  ;;
+66)
+  # session 23: build, the GPU tests of the tiled kernels (now with the wgmma tiles 4-7) and the mid/large-M kernel
+  # tests, then the kernel bench from M = 64 to 4096 with every tile forced beside mma / dequantize + cuBLAS
+  sm90_start
+  build; stamp 66 "build done"
+  COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    -k "tiled or mid_m or large_m or all_codes" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 12 "$OUT/gpu_tests.log"; stamp 66 "GPU tests done"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} \
+    --ms "${MS:-64,128,256,512,1024,2048,4096}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  grep -v "^|" "$OUT/bench_kernel.log" | cut -c1-400 | tail -n 60; stamp 66 "kernel bench done"
   ;;
 64)
   # session 23: build, the tiled tensor-core kernel's GPU tests (path 2) and the mid/large-M kernel tests, then the
