@@ -124,6 +124,8 @@ def main() -> int:
         print(f"bench_kernel: CUDA extension unavailable: {kernel.build_error()}", file=sys.stderr)
         return 2
     ext = kernel._load()
+    # the tiled configurations this device runs: mma.sync 1-3, wgmma 4-7 on an sm_90a device
+    tc_cfgs = (1, 2, 3) + ((4, 5, 6, 7) if ext.wgmma_available(torch.cuda.current_device()) else ())
     kernel.set_variant(args.variant)
     ours_code = kernel.VARIANTS[args.variant]
     ms = [int(v) for v in args.ms.split(",")]
@@ -179,7 +181,7 @@ def main() -> int:
                         lambda i: ext.linear_out(x, qws[i], gs, n, k, out, 1), cq, cq * math.ceil(calls_target / cq))
                 if args.tiled_from <= m and hasattr(ext, "set_tc_cfg"):
                     # the tiled tensor-core kernel (path 2), each tile configuration forced, with the split it chose
-                    for cfg in (1, 2, 3):
+                    for cfg in tc_cfgs:
                         ext.set_tc_cfg(cfg)
                         out.fill_(float("nan"))
                         ext.linear_out(x, qws[0], gs, n, k, out, 2)
@@ -284,9 +286,9 @@ def main() -> int:
               "kernel.linear (auto path), with programmatic dependent launch (each call's prologue overlaps the "
               "previous call; ours_nopdl_us: without it); *_nocluster_us: the v1 kernel's split-K through the "
               "workspace instead of thread-block clusters; *_split: its K split (negative: reduced in a cluster); "
-              "*_cluster_us (M > 16): with clusters allowed there; tc1/tc2/tc3_us: the tiled tensor-core kernel "
-              "(path 2) with 128x128 (8 warps), 128x64 (8 warps), 128x64 (4 warps) tiles forced, tc*_split its K "
-              "split",
+              "*_cluster_us (M > 16): with clusters allowed there; tc1..tc7_us: the tiled tensor-core kernels "
+              "(path 2) with one tile forced: mma.sync 1 128x128 (8 warps), 2 128x64 (8 warps), 3 128x64 (4 warps); "
+              "wgmma (sm_90a only) 4 128x128, 5 256x128, 6 128x64, 7 64x128 (rows x tokens); tc*_split its K split",
               "wall_s": time.time() - t_start, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -305,7 +307,7 @@ def print_table(result: dict) -> None:
         path = {kernel.BACKEND_KERNEL: "mma", kernel.BACKEND_TILED: "tiled"}.get(r["path"], "deq+cuBLAS")
         v2 = (f"{r['v2_us']:.1f} | {r['v2_speedup_vs_cublas']:.2f}" if "v2_us" in r else "— | —")
         v2 = (f"{r['ours_nopdl_us']:.1f} | " if "ours_nopdl_us" in r else "— | ") + v2
-        tcs = [(r[f"tc{c}_us"], c) for c in (1, 2, 3) if f"tc{c}_us" in r]
+        tcs = [(r[f"tc{c}_us"], c) for c in range(1, 8) if f"tc{c}_us" in r]
         tiled = (f"{min(tcs)[0]:.1f} (tc{min(tcs)[1]}) | {r['cublas_us'] / min(tcs)[0]:.2f}" if tcs else "— | —")
         deq = f"{r['dequant_cublas_us']:.1f}" if "dequant_cublas_us" in r else "—"
         print(f"| {r['model']} | {r['layer']} | {r['n']} | {r['k']} | {r['m']} | {path} | {r['ours_us']:.1f} | "

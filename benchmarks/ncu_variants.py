@@ -5,8 +5,8 @@ serialized; the kernel's template arguments in its name tell the variants apart,
         --section Occupancy --section MemoryWorkloadAnalysis_Tables \
         python3 benchmarks/ncu_variants.py --m 64 --variants default,alt
 
-Variants ``tc1``, ``tc2``, ``tc3`` are the tiled tensor-core kernel (path 2) with that tile configuration forced
-(``--kernel-name regex:nvfp4_tc``).
+Variants ``tc1`` ... ``tc7`` are the tiled tensor-core kernels (path 2) with that tile configuration forced
+(``--kernel-name regex:nvfp4_tc`` for the mma.sync tiles 1-3, ``regex:nvfp4_wg`` for the wgmma tiles 4-7).
 
 Shapes: Qwen2.5-7B gate/up (37888 x 3584) and down (3584 x 18944), random packed weights (no download).
 """

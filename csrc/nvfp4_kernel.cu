@@ -1123,6 +1123,90 @@ __device__ __forceinline__ void lds64(uint2& v, uint32_t a) {
   asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
 }
 
+// The tiled kernels' epilogue: warp (wr, wt) = (warp % WR, warp / WR) holds acc[r][q][i] of output row
+// (wr * R + r) * 16 + g + 8 * (i >> 1) and token wt * TG * 8 + q * 8 + 2 * t + (i & 1) of the CTA's tile (the
+// mma.sync C layout, which wgmma's accumulators share). S == 1: bf16 results staged in `smem` (the free pipeline
+// buffers) and written out in 16-byte pieces; S > 1: the split's fp32 partial into the workspace, the last CTA of
+// the tile adds them in split order.
+template <int WR, int WT, int R, int TG>
+__device__ __forceinline__ void tc_epilogue(const float (&acc)[R][TG][4], uint8_t* smem, const float* __restrict__ gscale,
+                                            const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                            float* __restrict__ ws, int* __restrict__ counters, int M, int N, int S,
+                                            int split, int rt, int mt, int rb0, int tok0, int vec_out) {
+  using C = TcCfg<WR, WT, R, TG>;
+  __shared__ int s_last;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = warp % WR, wt = warp / WR;
+  const int g = lane >> 2, t = lane & 3;
+  const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
+  const int n0 = rb0 * 16;
+  const int nrows = min(C::kRows, N - n0), mrows = min(C::kTokens, M - tok0);
+  if (S == 1) {
+    // bf16 results staged as [token][row], then written out in 16-byte pieces along the rows
+    __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(smem);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int q = 0; q < TG; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int nl = (wr * R + r) * 16 + g + 8 * (i >> 1);
+          const int ml = wt * TG * 8 + q * 8 + 2 * t + (i & 1);
+          if (nl < nrows) ob[ml * C::kLdo + nl] = out_value(acc[r][q][i] * alpha, bias, n0 + nl);
+        }
+    __syncthreads();
+    if (vec_out) {  // N % 8 == 0 and out 16-byte aligned (the host checks)
+      constexpr int CPR = C::kRows / 8;
+      for (int c = tid; c < mrows * CPR; c += C::kThreads) {
+        const int ml = c / CPR, nl = (c % CPR) * 8;
+        if (nl < nrows)
+          *reinterpret_cast<uint4*>(out + (size_t)(tok0 + ml) * N + n0 + nl) =
+              *reinterpret_cast<const uint4*>(ob + ml * C::kLdo + nl);
+      }
+    } else {
+      for (int c = tid; c < mrows * C::kRows; c += C::kThreads) {
+        const int ml = c / C::kRows, nl = c % C::kRows;
+        if (nl < nrows) out[(size_t)(tok0 + ml) * N + n0 + nl] = ob[ml * C::kLdo + nl];
+      }
+    }
+    return;
+  }
+  // split-K: this split's fp32 partial into the workspace; the last CTA of the tile adds them in split order
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int q = 0; q < TG; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int nl = (wr * R + r) * 16 + g + 8 * (i >> 1);
+        const int ml = wt * TG * 8 + q * 8 + 2 * t + (i & 1);
+        if (nl < nrows && ml < mrows) ws[((size_t)split * M + tok0 + ml) * N + n0 + nl] = acc[r][q][i];
+      }
+  __threadfence();
+  __syncthreads();
+  const int ticket = mt * gridDim.x + rt;
+  if (tid == 0) s_last = atomicAdd(&counters[ticket], 1) == S - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int c = tid; c < mrows * C::kRows; c += C::kThreads) {
+    const int ml = c / C::kRows, nl = c % C::kRows;
+    if (nl >= nrows) continue;
+    const size_t o = (size_t)(tok0 + ml) * N + n0 + nl;
+    float sum = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 8) {  // eight loads in flight, added in split order
+      float p[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) p[j] = s0 + j < S ? __ldcg(ws + (size_t)(s0 + j) * M * N + o) : 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (s0 + j < S) sum += p[j];
+    }
+    out[o] = out_value(sum * alpha, bias, n0 + nl);
+  }
+  if (tid == 0) counters[ticket] = 0;  // ready for the next launch on this stream
+}
+
 template <int WR, int WT, int R, int TG, int MINB>
 __global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
@@ -1130,11 +1214,10 @@ __global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
     int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split, int vec_out) {
   using C = TcCfg<WR, WT, R, TG>;
   extern __shared__ __align__(16) uint8_t tc_smem[];
-  __shared__ int s_last;
   qerl_pdl::trigger();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wr = warp % WR, wt = warp / WR;
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2;
   const int rt = blockIdx.x, mt = blockIdx.y, split = blockIdx.z;
   const int rb0 = rt * C::kRowBlocks, tok0 = mt * C::kTokens;
   const int kt0 = split * tiles_per_split;
@@ -1217,74 +1300,208 @@ __global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers are free: output staging below
 
-  const float alpha = __fdiv_rn(0x1p62f, __ldg(gscale));  // 2^(126 - 64) / G
-  const int n0 = rb0 * 16;
-  const int nrows = min(C::kRows, N - n0), mrows = min(C::kTokens, M - tok0);
-  if (S == 1) {
-    // bf16 results staged as [token][row], then written out in 16-byte pieces along the rows
-    __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(tc_smem);
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int q = 0; q < TG; ++q)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int nl = (wr * R + r) * 16 + g + 8 * (i >> 1);
-          const int ml = wt * TG * 8 + q * 8 + 2 * t + (i & 1);
-          if (nl < nrows) ob[ml * C::kLdo + nl] = out_value(acc[r][q][i] * alpha, bias, n0 + nl);
-        }
-    __syncthreads();
-    if (vec_out) {  // N % 8 == 0 and out 16-byte aligned (the host checks)
-      constexpr int CPR = C::kRows / 8;
-      for (int c = tid; c < mrows * CPR; c += C::kThreads) {
-        const int ml = c / CPR, nl = (c % CPR) * 8;
-        if (nl < nrows)
-          *reinterpret_cast<uint4*>(out + (size_t)(tok0 + ml) * N + n0 + nl) =
-              *reinterpret_cast<const uint4*>(ob + ml * C::kLdo + nl);
-      }
-    } else {
-      for (int c = tid; c < mrows * C::kRows; c += C::kThreads) {
-        const int ml = c / C::kRows, nl = c % C::kRows;
-        if (nl < nrows) out[(size_t)(tok0 + ml) * N + n0 + nl] = ob[ml * C::kLdo + nl];
-      }
-    }
-    return;
-  }
-  // split-K: this split's fp32 partial into the workspace; the last CTA of the tile adds them in split order
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int q = 0; q < TG; ++q)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int nl = (wr * R + r) * 16 + g + 8 * (i >> 1);
-        const int ml = wt * TG * 8 + q * 8 + 2 * t + (i & 1);
-        if (nl < nrows && ml < mrows) ws[((size_t)split * M + tok0 + ml) * N + n0 + nl] = acc[r][q][i];
-      }
-  __threadfence();
-  __syncthreads();
-  const int ticket = mt * gridDim.x + rt;
-  if (tid == 0) s_last = atomicAdd(&counters[ticket], 1) == S - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  for (int c = tid; c < mrows * C::kRows; c += C::kThreads) {
-    const int ml = c / C::kRows, nl = c % C::kRows;
-    if (nl >= nrows) continue;
-    const size_t o = (size_t)(tok0 + ml) * N + n0 + nl;
-    float sum = 0.f;
-    for (int s0 = 0; s0 < S; s0 += 8) {  // eight loads in flight, added in split order
-      float p[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) p[j] = s0 + j < S ? __ldcg(ws + (size_t)(s0 + j) * M * N + o) : 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (s0 + j < S) sum += p[j];
-    }
-    out[o] = out_value(sum * alpha, bias, n0 + nl);
-  }
-  if (tid == 0) counters[ticket] = 0;  // ready for the next launch on this stream
+  tc_epilogue<WR, WT, R, TG>(acc, tc_smem, gscale, bias, out, ws, counters, M, N, S, split, rt, mt, rb0, tok0,
+                             vec_out);
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// nvfp4_wg_kernel (session 23): the tiled path on Hopper's warpgroup MMA (sm_90a only; elsewhere it traps and the
+// host never picks it). wgmma.mma_async takes its A operand from registers in the mma.sync A fragment layout, 16
+// rows per warp, so each warp decodes its row block's tile record (the same lane bytes, scales and decode as the
+// other kernels) straight into the four A registers of each 16-input sub-tile; the warpgroup's m64nNk16 multiplies
+// its 64 rows with the NTOK staged tokens, which the tensor cores read from shared memory through a matrix
+// descriptor: K-major, 128-byte swizzle (token m's 64 inputs are one 128-byte row, its 16-byte piece c stored at
+// c ^ (m % 8); 8-row atoms 1024 bytes apart). A CTA of WG warpgroups computes WG * 64 rows x NTOK tokens (a
+// token tile read once per WG * 64 rows). The K tiles move through a kWgStages-deep cp.async pipeline, prefetched
+// two ahead, so a slot is refilled only after the wgmma groups that read it have completed: each step waits for
+// the previous step's group (wgmma.wait_group 1) while its own runs, the A registers alternating between two
+// sets. Split-K and the epilogue as in nvfp4_tc_kernel (the accumulators share the mma.sync C layout).
+constexpr int kWgStages = 4;
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// this thread's cp.async (generic proxy) writes, made visible to the async proxy through which wgmma reads
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// descriptor of a K-major, 128-byte-swizzled operand at shared address `addr` (8-row atoms 1024 bytes apart)
+__device__ __forceinline__ uint64_t wg_desc_sw128(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+__device__ __forceinline__ void wgmma_m64n64(float* d, const uint32_t (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_m64n128(float* d, const uint32_t (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#else
+  __trap();
+#endif
+}
+
+template <int NTOK>
+__device__ __forceinline__ void wgmma_tokens(float* d, const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(NTOK == 64 || NTOK == 128, "wgmma token tile");
+  if constexpr (NTOK == 64) wgmma_m64n64(d, a, desc);
+  else wgmma_m64n128(d, a, desc);
+}
+
+template <int WG, int NTOK>
+struct WgCfg {
+  static constexpr int kThreads = WG * 128;
+  static constexpr int kRowBlocks = WG * 4;
+  static constexpr int kRows = kRowBlocks * 16;
+  static constexpr int kTokens = NTOK;
+  static constexpr int kXBytes = NTOK * 128;  // [NTOK][64] bf16, 128-byte swizzle
+  static constexpr int kWBytes = kRowBlocks * kRecordBytes;
+  static constexpr int kStageBytes = (kXBytes + kWBytes + 1023) / 1024 * 1024;  // every token tile 1024-aligned
+  static constexpr int kSmem = kWgStages * kStageBytes + 1024;                  // + the base's alignment
+  using Epi = TcCfg<WG * 4, 1, 1, NTOK / 8>;  // the epilogue's view: warp w owns row block w, all NTOK tokens
+  static_assert(Epi::kThreads == kThreads && Epi::kRows == kRows && Epi::kTokens == kTokens, "epilogue view");
+  static_assert(NTOK * Epi::kLdo * 2 <= kSmem, "output staging fits the pipeline buffers");
+};
+
+template <int WG, int NTOK, int MINB>
+__global__ void __launch_bounds__(WG * 128, MINB) nvfp4_wg_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
+    const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int S, int tiles_per_split, int vec_out) {
+  using C = WgCfg<WG, NTOK>;
+  extern __shared__ __align__(16) uint8_t wg_smem[];
+  qerl_pdl::trigger();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2;
+  const int rt = blockIdx.x, mt = blockIdx.y, split = blockIdx.z;
+  const int rb0 = rt * C::kRowBlocks, tok0 = mt * C::kTokens;
+  const int kt0 = split * tiles_per_split;
+  const int ntiles = min(KT, kt0 + tiles_per_split) - kt0;
+  const uint32_t sraw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+  const uint32_t sbase = (sraw + 1023u) & ~1023u;
+
+  qerl_pdl::wait();
+  // K tile kt0 + i into slot i % kWgStages: [token tile][the CTA's weight records] (an empty commit group past
+  // the range keeps the group count uniform)
+  auto load_stage = [&](int i) {
+    if (i < ntiles) {
+      const int kt = kt0 + i;
+      const uint32_t sx = sbase + (uint32_t)((i % kWgStages) * C::kStageBytes);
+      const uint32_t sw = sx + C::kXBytes;
+      for (int c = tid; c < C::kRowBlocks * (kRecordBytes / 16); c += C::kThreads) {
+        const int b = c / (kRecordBytes / 16), o = c % (kRecordBytes / 16);
+        const bool ok = rb0 + b < NT;  // row blocks past the weight: zeros (their outputs are not written)
+        const uint8_t* src = qw + ((size_t)(ok ? rb0 + b : 0) * KT + kt) * kRecordBytes + 16 * o;
+        cp_async16(sw + (uint32_t)(b * kRecordBytes + 16 * o), src, ok);
+      }
+      for (int c = tid; c < NTOK * 8; c += C::kThreads) {
+        const int m = c >> 3, o = c & 7;
+        const int kk = kt * 64 + 8 * o;
+        const bool ok = tok0 + m < M && kk < K;  // absent tokens and inputs past K: zeros
+        const __nv_bfloat16* src = ok ? x + (size_t)(tok0 + m) * K + kk : x;
+        cp_async16(sx + (uint32_t)(m * 128 + ((o ^ (m & 7)) << 4)), src, ok);
+      }
+    }
+    cp_async_commit();
+  };
+  load_stage(0);
+  load_stage(1);
+
+  float acc[1][NTOK / 8][4];
+#pragma unroll
+  for (int q = 0; q < NTOK / 8; ++q)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[0][q][i] = 0.f;
+
+  // K tile i: this warp's row block decoded into A registers `a`, then the warpgroup's four wgmmas (one per 16
+  // inputs: the descriptor's start moves 32 bytes along the swizzled rows)
+  auto step = [&](int i, uint32_t (&a)[4][4]) {
+    cp_async_wait<1>();  // tile i has landed (tile i + 1 may still be in flight)
+    fence_proxy_async_smem();
+    __syncthreads();  // ... for every thread; every warpgroup has finished the wgmmas of tile i - 2
+    load_stage(i + 2);  // into tile i - 2's slot
+    const uint32_t sx = sbase + (uint32_t)((i % kWgStages) * C::kStageBytes);
+    const uint32_t rec = sx + C::kXBytes + (uint32_t)(warp * kRecordBytes);
+    WTile cur;
+    lds128(cur.c, rec + 16 * lane);
+    lds64(cur.s, rec + kCodeBytes + 8 * g);
+#pragma unroll
+    for (int jp = 0; jp < 2; ++jp) {
+      const uint32_t sw7f = (jp == 0 ? cur.s.x : cur.s.y) & 0x7F7F7F7Fu;
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const __nv_bfloat162 s2 = jj == 0 ? scale_pair<0>(sw7f) : scale_pair<1>(sw7f);
+        decode_subtile(a[2 * jp + jj], subtile_word(cur, 2 * jp + jj), __low2bfloat162(s2), __high2bfloat162(s2));
+      }
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_tokens<NTOK>(&acc[0][0][0], a[j], wg_desc_sw128(sx + (uint32_t)(32 * j)));
+    wgmma_commit();
+    wgmma_wait<1>();  // tile i - 1's group is complete: its A registers and its slot may be reused
+  };
+  uint32_t a0[4][4], a1[4][4];
+  int i = 0;
+  for (; i + 1 < ntiles; i += 2) {
+    step(i, a0);
+    step(i + 1, a1);
+  }
+  if (i < ntiles) step(i, a0);
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline buffers are free: output staging below
+  tc_epilogue<WG * 4, 1, 1, NTOK / 8>(acc, wg_smem, gscale, bias, out, ws, counters, M, N, S, split, rt, mt, rb0,
+                                       tok0, vec_out);
+}
+
 
 // the tiled kernel's configurations (WR, WT, R, TG, MINB): 128 rows x 128 tokens (8 warps, 174 registers), 128 x 64
 // (8 warps, 128 registers), 128 x 64 (4 warps, 168 registers); none spills (ptxas, sm_90a)
@@ -1292,6 +1509,13 @@ __global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
   X(4, 2, 2, 8, 1)         \
   X(4, 2, 2, 4, 2)         \
   X(4, 1, 2, 8, 2)
+
+// the wgmma kernel's configurations (WG, NTOK, MINB): tiled cfgs 4, 5, 6
+#define QERL_WG_CONFIGS(X) \
+  X(2, 128, 1)             \
+  X(4, 128, 1)             \
+  X(2, 64, 2)              \
+  X(1, 128, 2)
 
 #define QERL_MMA_CONFIGS(X) \
   X(1, 1, 6, 12, 2, 6)            \
@@ -1350,6 +1574,11 @@ QERL_V2_PAIR_INSTANCE(2, 1, 4, 8, 2, 2, 10)
                                                                 const __nv_bfloat16*, __nv_bfloat16*, float*, int*,  \
                                                                 int, int, int, int, int, int, int, int);
 QERL_TC_CONFIGS(QERL_TC_INSTANCE)
+#define QERL_WG_INSTANCE(WG, NTOK, MINB)                                                                     \
+  template __global__ void nvfp4_wg_kernel<WG, NTOK, MINB>(const __nv_bfloat16*, const uint8_t*, const float*,   \
+                                                           const __nv_bfloat16*, __nv_bfloat16*, float*, int*, int, \
+                                                           int, int, int, int, int, int, int);
+QERL_WG_CONFIGS(QERL_WG_INSTANCE)
 template __global__ void nvfp4_dequant_kernel<__nv_bfloat16>(const uint8_t*, const float*, __nv_bfloat16*, int,
                                                               int, int, int);
 template __global__ void nvfp4_dequant_kernel<float>(const uint8_t*, const float*, float*, int, int, int, int);
@@ -1392,8 +1621,8 @@ static int64_t g_last_v2_grid = 0;  // the CTA count of the last stream-K launch
 static int g_v2_cluster = 1;        // aligned grids' split-K sums through thread-block clusters (sm_90)
 static int g_last_v2_cluster = 0;   // the cluster size of the last stream-K launch (0: none; tests)
 // g_tc_max_m: linear_out's auto path takes the tiled kernel for g_large_m_threshold < M <= g_tc_max_m (0: never;
-// QERL_TC_MAX_M). g_tc_cfg: 0 auto (tc_auto_cfg), 1 128 x 128 tiles (8 warps), 2 128 x 64 (8 warps), 3 128 x 64
-// (4 warps). g_tc_split: > 0 that K split (tests, benchmarks), 0 chosen per shape.
+// QERL_TC_MAX_M). g_tc_cfg: 0 auto (tc_auto_cfg), 1-7 one configuration (run_tc). g_tc_split: > 0 that K split
+// (tests, benchmarks), 0 chosen per shape.
 static int64_t g_tc_max_m = [] {
   const char* e = std::getenv("QERL_TC_MAX_M");
   return (int64_t)(e && *e ? std::atoll(e) : 0);
@@ -1874,18 +2103,17 @@ static void run_mma(const at::Tensor& xc, const at::Tensor& qw, const at::Tensor
 
 // ---- the tiled tensor-core path (path 2) ----
 
-static int tc_auto_cfg(int64_t M) { return M <= 64 ? 3 : 1; }
-
-template <int WR, int WT, int R, int TG, int MINB>
-static void launch_tc(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
-                      at::Tensor& out, int M, int N, int K, int NT, int KT, int cfg) {
-  using C = TcCfg<WR, WT, R, TG>;
-  auto kern = nvfp4_tc_kernel<WR, WT, R, TG, MINB>;
+// One launch of a tiled kernel (tile: `row_blocks` 16-row blocks x `tokens` tokens, `threads` per CTA, `smem`
+// bytes of dynamic shared memory); `cfg` is recorded for the tests.
+template <typename Kern>
+static void launch_tiled(Kern kern, int threads, int smem, int row_blocks, int tokens, const at::Tensor& x,
+                         const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias, at::Tensor& out, int M,
+                         int N, int K, int NT, int KT, int cfg) {
   const int dev = x.get_device();
-  const int occ = resident_ctas(kern, C::kThreads, (size_t)C::kSmem, dev);
+  const int occ = resident_ctas(kern, threads, (size_t)smem, dev);
   const int64_t slots = (int64_t)num_sms(dev) * occ;
-  const int RT = (NT + C::kRowBlocks - 1) / C::kRowBlocks;
-  const int MT = (M + C::kTokens - 1) / C::kTokens;
+  const int RT = (NT + row_blocks - 1) / row_blocks;
+  const int MT = (M + tokens - 1) / tokens;
   const int64_t tiles = (int64_t)RT * MT;
   // K split: waves of CTAs x (K tiles per CTA + pipeline fill), plus the fp32 partials (a CTA writes its tile's
   // partial, about two K tiles of traffic; the last one reads all S); at least 4 K tiles per split
@@ -1918,7 +2146,7 @@ static void launch_tc(const at::Tensor& x, const at::Tensor& qw, const at::Tenso
   const int vec_out = N % 8 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   dim3 grid(RT, MT, S);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(qerl_pdl::launch_clustered(kern, grid, dim3(C::kThreads), (size_t)C::kSmem, stream, dev, 1u,
+  C10_CUDA_CHECK(qerl_pdl::launch_clustered(kern, grid, dim3(threads), (size_t)smem, stream, dev, 1u,
                                              reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
                                              qw.data_ptr<uint8_t>(), gs.data_ptr<float>(), bias,
                                              reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ws, counters, M, N, K,
@@ -1926,13 +2154,64 @@ static void launch_tc(const at::Tensor& x, const at::Tensor& qw, const at::Tenso
   g_last_tc = (int64_t)cfg * 1000 + S;
 }
 
+template <int WR, int WT, int R, int TG, int MINB>
+static void launch_tc(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
+                      at::Tensor& out, int M, int N, int K, int NT, int KT, int cfg) {
+  using C = TcCfg<WR, WT, R, TG>;
+  launch_tiled(nvfp4_tc_kernel<WR, WT, R, TG, MINB>, C::kThreads, C::kSmem, C::kRowBlocks, C::kTokens, x, qw, gs,
+               bias, out, M, N, K, NT, KT, cfg);
+}
+
+template <int WG, int NTOK, int MINB>
+static void launch_wg(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
+                      at::Tensor& out, int M, int N, int K, int NT, int KT, int cfg) {
+  using C = WgCfg<WG, NTOK>;
+  launch_tiled(nvfp4_wg_kernel<WG, NTOK, MINB>, C::kThreads, C::kSmem, C::kRowBlocks, C::kTokens, x, qw, gs, bias,
+               out, M, N, K, NT, KT, cfg);
+}
+
+// whether the wgmma kernel runs on device `dev`: a cc 9.0 device and a build with sm_90a code (kernel.py defines
+// QERL_HAS_SM90A when its arch flags name sm_90a; a cc 9.0 device runs that cubin)
+static bool wgmma_available(int dev) {
+#ifdef QERL_HAS_SM90A
+  static std::mutex mu;
+  static std::map<int, bool> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return cache[dev] = major == 9 && minor == 0;
+#else
+  (void)dev;
+  return false;
+#endif
+}
+
+// tiled configurations: 1-3 mma.sync (nvfp4_tc_kernel), 4-7 wgmma (nvfp4_wg_kernel, sm_90a only)
+constexpr int kTcCfgs = 7;
+static int tc_auto_cfg(int64_t M, int dev) {
+  if (wgmma_available(dev)) return M <= 64 ? 6 : 4;
+  return M <= 64 ? 3 : 1;
+}
+
 static void run_tc(const at::Tensor& xc, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bp,
                    at::Tensor& out, int64_t n, int64_t k) {
   const int M = (int)xc.size(0), N = (int)n, K = (int)k, NT = (int)qw.size(0), KT = (int)qw.size(1);
-  const int cfg = g_tc_cfg ? g_tc_cfg : tc_auto_cfg(M);
-  if (cfg == 1) launch_tc<4, 2, 2, 8, 1>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg);
-  else if (cfg == 2) launch_tc<4, 2, 2, 4, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg);
-  else launch_tc<4, 1, 2, 8, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg);
+  const int dev = xc.get_device();
+  const int cfg = g_tc_cfg ? g_tc_cfg : tc_auto_cfg(M, dev);
+  QERL_CHECK(cfg < 4 || wgmma_available(dev),
+             "qerl: tiled configuration %d needs the wgmma kernel, which this build has for sm_90a devices only", cfg);
+  switch (cfg) {
+    case 1: launch_tc<4, 2, 2, 8, 1>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg); break;
+    case 2: launch_tc<4, 2, 2, 4, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg); break;
+    case 3: launch_tc<4, 1, 2, 8, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg); break;
+    case 4: launch_wg<2, 128, 1>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg); break;
+    case 5: launch_wg<4, 128, 1>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg); break;
+    case 6: launch_wg<2, 64, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg); break;
+    default: launch_wg<1, 128, 2>(xc, qw, gs, bp, out, M, N, K, NT, KT, cfg); break;
+  }
 }
 
 static void check_linear_args(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64_t k,
@@ -2137,8 +2416,9 @@ void set_tc_max_m(int64_t m) {
   g_tc_max_m = m;
 }
 void set_tc_cfg(int64_t c) {
-  TORCH_CHECK(c >= 0 && c <= 3, "qerl: tiled configuration must be 0 (auto), 1 (128 x 128), 2 (128 x 64, 8 warps) "
-                                "or 3 (128 x 64, 4 warps)");
+  TORCH_CHECK(c >= 0 && c <= kTcCfgs, "qerl: tiled configuration must be 0 (auto), 1-3 (mma.sync: 128 x 128, "
+                                      "128 x 64 with 8 warps, 128 x 64 with 4) or 4-7 (wgmma: 128 x 128, 256 x 128, "
+                                      "128 x 64, 64 x 128)");
   g_tc_cfg = (int)c;
 }
 void set_tc_split(int64_t s) {
@@ -2211,7 +2491,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the path linear_out takes for bf16 x of M rows: 0 mma, 1 dequant+cuBLAS, 2 tiled tensor-core kernel");
   m.def("set_tc_max_m", &qerl::set_tc_max_m, "largest M the auto path gives the tiled kernel (0: never)");
   m.def("get_tc_max_m", [] { return qerl::g_tc_max_m; });
-  m.def("set_tc_cfg", &qerl::set_tc_cfg, "the tiled kernel's tile (0 auto, 1 128x128, 2 128x64 8 warps, 3 128x64 4 warps)");
+  m.def("set_tc_cfg", &qerl::set_tc_cfg,
+        "the tiled kernel's tile (0 auto; mma.sync: 1 128x128, 2 128x64 8 warps, 3 128x64 4 warps; wgmma (sm_90a): "
+        "4 128x128, 5 256x128, 6 128x64, 7 64x128)");
+  m.def("wgmma_available", [](int64_t dev) { return qerl::wgmma_available((int)dev); },
+        "whether the wgmma tiles (4-7) run on this device: cc 9.0 and a build with sm_90a code");
   m.def("set_tc_split", &qerl::set_tc_split, "force the tiled kernel's K split (0: chosen per shape)");
   m.def("last_tc", [] { return qerl::g_last_tc; }, "the last tiled launch: configuration * 1000 + K split");
   m.def("get_large_m_threshold", &qerl::get_large_m_threshold);

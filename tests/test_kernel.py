@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -878,6 +879,12 @@ def tiled_ext():
     ext.set_tc_max_m(before)
 
 
+def _tc_cfgs(ext) -> tuple[tuple[int, ...], ...]:
+    """The tiled configurations this device runs, by family (outputs are bit-identical within one): mma.sync 1-3,
+    and wgmma 4-7 where the device is cc 9.0 and the build carries sm_90a code."""
+    return ((1, 2, 3), (4, 5, 6, 7)) if ext.wgmma_available(torch.cuda.current_device()) else ((1, 2, 3),)
+
+
 def _tc_split(want: int, kt: int) -> int:
     """The K split a forced ``set_tc_split(want)`` runs: the nearest one that leaves no split empty."""
     want = min(want, kt)
@@ -888,12 +895,14 @@ def _tc_split(want: int, kt: int) -> int:
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(576, 576), (200, 80), (17, 48), (1000, 1008), (4608, 3584), (3584, 18944)])
 def test_gpu_tiled_kernel_every_tile_and_split(n, k, tiled_ext):
-    """Path 2, the tiled tensor-core kernel, under each tile configuration and K splits 1-3 (and the chosen one):
-    every output is written (poisoned with NaN first) and within 1e-2 of the fp32 product, also for ragged M, N
-    not a multiple of 8 (scalar stores) and K not a multiple of 64; at one forced split the three tiles give the
-    same bits (every output adds the same MMAs in the same order) and a repeat gives them again (the split-K
-    tickets reset themselves); the bias epilogue equals bf16(bf16(x W^T) + bias) bit for bit."""
+    """Path 2, the tiled tensor-core kernels, under each tile configuration (mma.sync 1-3; wgmma 4-7 on an sm_90a
+    device) and K splits 1-3 (and the chosen one): every output is written (poisoned with NaN first) and within
+    1e-2 of the fp32 product, also for ragged M, N not a multiple of 8 (scalar stores) and K not a multiple of 64;
+    at one forced split the tiles of one family give the same bits (every output adds the same MMAs in the same
+    order) and a repeat gives them again (the split-K tickets reset themselves); the bias epilogue equals
+    bf16(bf16(x W^T) + bias) bit for bit."""
     ext = tiled_ext
+    families = _tc_cfgs(ext)
     qw, gs = make_packed(n, k, device="cuda", seed=n + k)
     kt = -(-k // 64)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -903,7 +912,7 @@ def test_gpu_tiled_kernel_every_tile_and_split(n, k, tiled_ext):
         for split in (1, 2, 3, 0):
             ext.set_tc_split(split)
             outs = {}
-            for cfg in (1, 2, 3):
+            for cfg in sum(families, ()):
                 ext.set_tc_cfg(cfg)
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 assert int(ext.linear_out(x, qw, gs, n, k, out, 2)) == 2
@@ -924,7 +933,8 @@ def test_gpu_tiled_kernel_every_tile_and_split(n, k, tiled_ext):
                     ext.linear_out(x, qw, gs, n, k, ob, 2, bias)
                     assert torch.equal(ob, (out.float() + bias.float()).to(torch.bfloat16)), (m, split, cfg)
             if split:
-                assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3]), (m, split)
+                for fam in families:
+                    assert all(torch.equal(outs[fam[0]], outs[c]) for c in fam[1:]), (m, split, fam)
 
 
 @pytest.mark.gpu
@@ -936,14 +946,16 @@ def test_gpu_tiled_kernel_misaligned_out(tiled_ext):
     qw, gs = make_packed(n, k, device="cuda", seed=5)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ext.set_tc_split(1)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ext.linear_out(x, qw, gs, n, k, out, 2)
-    buf = torch.full((m * n + 1,), float("nan"), device="cuda", dtype=torch.bfloat16)
-    view = buf[1:].view(m, n)
-    assert view.data_ptr() % 16 != 0
-    ext.linear_out(x, qw, gs, n, k, view, 2)
-    torch.cuda.synchronize()
-    assert torch.equal(view, out) and torch.isnan(buf[0])
+    for fam in _tc_cfgs(ext):
+        ext.set_tc_cfg(fam[0])
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ext.linear_out(x, qw, gs, n, k, out, 2)
+        buf = torch.full((m * n + 1,), float("nan"), device="cuda", dtype=torch.bfloat16)
+        view = buf[1:].view(m, n)
+        assert view.data_ptr() % 16 != 0
+        ext.linear_out(x, qw, gs, n, k, view, 2)
+        torch.cuda.synchronize()
+        assert torch.equal(view, out) and torch.isnan(buf[0]), fam[0]
 
 
 @pytest.mark.gpu
@@ -967,7 +979,16 @@ def test_gpu_tiled_path_choice(tiled_ext):
     with pytest.raises(ValueError, match="tc_max_m must be >= 0"):
         kernel.set_tc_max_m(-1)
     with pytest.raises(RuntimeError, match="tiled configuration"):
-        ext.set_tc_cfg(4)
+        ext.set_tc_cfg(8)
+    # the wgmma tiles: on a cc 9.0 device with sm_90a code in the build (the default arch flags carry it)
+    flags = os.environ.get("QERL_KERNEL_ARCH_FLAGS") or " ".join(kernel._DEFAULT_ARCH_FLAGS)
+    dev = torch.cuda.current_device()
+    assert ext.wgmma_available(dev) == (torch.cuda.get_device_capability(dev) == (9, 0) and "sm_90a" in flags)
+    ext.set_tc_cfg(0)
+    for m, wg_cfg, mma_cfg in ((64, 6, 3), (100, 4, 1)):
+        ext.linear_out(x[:1].expand(m, k).contiguous(), qw, gs, n, k, torch.empty(m, n, device="cuda",
+                                                                                  dtype=torch.bfloat16), 2)
+        assert int(ext.last_tc()) // 1000 == (wg_cfg if ext.wgmma_available(dev) else mma_cfg), m
 
 
 @pytest.mark.gpu

@@ -129,10 +129,12 @@ def build_extension(name: str, filename: str, timeline: bool = False):
     # torch's build cache hashes the listed source only: the headers it includes (csrc/*.cuh) enter the key
     # through a define, so editing one rebuilds
     headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(src.parent.glob("*.cuh")))).hexdigest()[:16]
+    # -DQERL_HAS_SM90A: the build carries sm_90a code, so the host may pick the wgmma kernels on a cc 9.0 device
+    sm90a = ["-DQERL_HAS_SM90A"] if any("sm_90a" in f for f in arch_flags) else []
     # --threads 0: nvcc compiles the arch targets side by side (one process each; four by default)
     return load(name=name + ("_tl" if timeline else ""), sources=[str(src)],
                 extra_cuda_cflags=["-O3", "-lineinfo", "--threads=0", f"-DQERL_HEADERS_SHA={headers}", *arch_flags,
-                                   *(["-DQERL_TIMELINE"] if timeline else [])],
+                                   *sm90a, *(["-DQERL_TIMELINE"] if timeline else [])],
                 extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
 
 
