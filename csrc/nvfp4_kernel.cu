@@ -413,6 +413,20 @@ __device__ __forceinline__ void lora_aug_term(float (&acc)[R][TG][4], const Lora
 // TG: token groups of 8 per CTA (M_slice <= 8*TG); R: row blocks (16 rows) per warp; D: K tiles of weight
 // loads in flight per warp; KCH: K tiles of activations staged in shared memory per chunk; NACC: accumulator
 // sets (2 splits the dependent mma chain when R*TG is small).
+// the S split-K partials of output o (split s at ws[s * MN + o]), added in split order, eight loads in flight
+__device__ __forceinline__ float sum_splits(const float* __restrict__ ws, int S, size_t MN, size_t o) {
+  float sum = 0.f;
+  for (int s0 = 0; s0 < S; s0 += 8) {
+    float p[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = s0 + j < S ? __ldcg(ws + (size_t)(s0 + j) * MN + o) : 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (s0 + j < S) sum += p[j];
+  }
+  return sum;
+}
+
 template <int TG, int R, int D, int KCH, int NACC, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
@@ -635,15 +649,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) nvfp4_mma_kernel(
     const int m = i / ROWS, nn = i % ROWS;
     if (nn >= nrows) continue;
     const size_t o = (size_t)(tok0 + m) * N + n0 + nn;
-    float sum = 0.f;
-    for (int s0 = 0; s0 < S; s0 += 8) {  // eight loads in flight, added in split order
-      float p[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) p[j] = s0 + j < S ? __ldcg(ws + (size_t)(s0 + j) * M * N + o) : 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (s0 + j < S) sum += p[j];
-    }
+    const float sum = sum_splits(ws, S, (size_t)M * N, o);
     out[o] = out_value(sum * alpha, bias, n0 + nn);
   }
   if (tid == 0) counters[rg * gridDim.x + slice] = 0;  // ready for the next launch on this stream
@@ -1193,15 +1199,7 @@ __device__ __forceinline__ void tc_epilogue(const float (&acc)[R][TG][4], uint8_
     const int ml = c / C::kRows, nl = c % C::kRows;
     if (nl >= nrows) continue;
     const size_t o = (size_t)(tok0 + ml) * N + n0 + nl;
-    float sum = 0.f;
-    for (int s0 = 0; s0 < S; s0 += 8) {  // eight loads in flight, added in split order
-      float p[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) p[j] = s0 + j < S ? __ldcg(ws + (size_t)(s0 + j) * M * N + o) : 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (s0 + j < S) sum += p[j];
-    }
+    const float sum = sum_splits(ws, S, (size_t)M * N, o);
     out[o] = out_value(sum * alpha, bias, n0 + nl);
   }
   if (tid == 0) counters[ticket] = 0;  // ready for the next launch on this stream
