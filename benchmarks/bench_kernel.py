@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--both-paths-from", type=int, default=32,
                     help="also time the mma kernel and dequantize+cuBLAS separately for M >= this (<= 1024)")
+    ap.add_argument("--tiled-cfgs", default="",
+                    help="comma-separated tiled configurations to time (default: every one this device runs)")
     ap.add_argument("--tiled-from", type=int, default=32,
                     help="also time the tiled tensor-core kernel (path 2), each tile forced, for M >= this")
     ap.add_argument("--variant", default="auto", choices=sorted(kernel.VARIANTS),
@@ -126,6 +128,8 @@ def main() -> int:
     ext = kernel._load()
     # the tiled configurations this device runs: mma.sync 1-3, wgmma 4-7 on an sm_90a device
     tc_cfgs = (1, 2, 3) + ((4, 5, 6, 7) if ext.wgmma_available(torch.cuda.current_device()) else ())
+    if args.tiled_cfgs:
+        tc_cfgs = tuple(c for c in tc_cfgs if str(c) in args.tiled_cfgs.split(","))
     kernel.set_variant(args.variant)
     ours_code = kernel.VARIANTS[args.variant]
     ms = [int(v) for v in args.ms.split(",")]

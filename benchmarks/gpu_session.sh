@@ -776,11 +776,12 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # tests, then the kernel bench from M = 64 to 4096 with every tile forced beside mma / dequantize + cuBLAS
   sm90_start
   build; stamp 66 "build done"
-  COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
-    -k "tiled or mid_m or large_m or all_codes" > "$OUT/gpu_tests.log" 2>&1
+  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    -k "${TESTS:-tiled or mid_m or large_m or all_codes}" > "$OUT/gpu_tests.log" 2>&1
   tail -n 12 "$OUT/gpu_tests.log"; stamp 66 "GPU tests done"
   timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_kernel.py --models ${MODELS:-qwen2.5-7b,qwen2.5-32b} \
-    --ms "${MS:-64,128,256,512,1024,2048,4096}" --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+    --ms "${MS:-64,128,256,512,1024,2048,4096}" --tiled-cfgs "${TCFGS:-4,5,6,7}" --json "$OUT/kernel.json" \
+    > "$OUT/bench_kernel.log" 2>&1
   grep -v "^|" "$OUT/bench_kernel.log" | cut -c1-400 | tail -n 60; stamp 66 "kernel bench done"
   ;;
 64)
