@@ -1303,7 +1303,7 @@ __global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// nvfp4_wg_kernel (session 23): the tiled path on Hopper's warpgroup MMA (sm_90a only; elsewhere it traps and the
+// nvfp4_wg_kernel (session 24): the tiled path on Hopper's warpgroup MMA (sm_90a only; elsewhere it traps and the
 // host never picks it). wgmma.mma_async takes its A operand from registers in the mma.sync A fragment layout, 16
 // rows per warp, so each warp decodes its row block's tile record (the same lane bytes, scales and decode as the
 // other kernels) straight into the four A registers of each 16-input sub-tile; the warpgroup's m64nNk16 multiplies
