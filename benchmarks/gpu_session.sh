@@ -149,9 +149,9 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
-#   66                             session 24: build, the tiled kernels' (mma.sync tiles 1-3, wgmma tiles 4-7) and
-#                                  mid/large-M GPU tests, the kernel bench at M = 64-4096 with every tile forced
-#   65                             session 23 (tiles from NCU_VARIANTS since session 24): Nsight Compute on the tiled kernels (NCU_VARIANTS, default
+#   66                             session 24: build, the tiled kernels' GPU tests (mma.sync tiles 1-3, wgmma tiles
+#                                  4-7; TESTS) and the kernel bench at M = 64-4096 with the wgmma tiles forced (TCFGS)
+#   65                             session 23: Nsight Compute on the tiled kernels' tiles (NCU_VARIANTS, default
 #                                  tc1,tc3,tc2; NCU_M, default 1024)
 #   64                             session 23: build, the tiled tensor-core kernel's and mid/large-M GPU tests, the
 #                                  kernel bench at M = 64-4096 with the tiled kernel's three tiles forced (MODELS, MS)
