@@ -1715,10 +1715,20 @@ static bool clusters_for(int64_t M, int64_t n, int64_t k, int dev) {
 // o at M = 32 and 64: 18-22 us against 26-34; session 5, benchmarks/results/kernel_s5_h200.json). With the K
 // splits in clusters (session 7, kernel_s7_h200.json) the mma kernel wins at M = 32 on every small weight (7B q/k/v
 // 13.7 against 20.3 us, o 13.2 against 18.5; 32B q/k/v 28.4 against 46.2, o 17.9 against 33.0), so the
-// dequantize path starts above the cluster M limit there.
+// dequantize path starts above the cluster M limit there. Above the large-M threshold: the tiled kernel up to
+// g_tc_max_m; then, up to M = kMmaMidMaxM, the mma kernel for weights of more than kDequantMaxWeights entries,
+// whose dequantized copy costs more than the mma kernel's second 64-token slice (session 23, part 64, H100, M =
+// 128: 7B gate/up 152.4 us against 229.7, down 107.6 against 122.2, 32B gate/up 333.9 against 467.7, down 195.2
+// against 241.5; the smaller q/k/v and o lose: 7B q/k/v 45.9 against 24.8, 32B q/k/v 77.1 against 63.9, o 59.2
+// against 44.0; at M = 256 every shape loses: benchmarks/results/s23/part64_kernel.json); dequantize + cuBLAS
+// otherwise.
 constexpr int64_t kDequantMaxWeights = 40000000;
+constexpr int64_t kMmaMidMaxM = 128;
 int64_t choose_path(int64_t M, int64_t n, int64_t k) {
-  if (M > g_large_m_threshold) return M <= g_tc_max_m ? 2 : 1;
+  if (M > g_large_m_threshold) {
+    if (M <= g_tc_max_m) return 2;
+    return M <= kMmaMidMaxM && n * k > kDequantMaxWeights ? 0 : 1;
+  }
   if (M < 32 || n * k > kDequantMaxWeights) return 0;
   int dev = 0;
   cudaGetDevice(&dev);

@@ -540,7 +540,8 @@ def test_gpu_path_choice():
         assert ext.choose_path(33, 4608, 3584) == 1
         kernel.set_cluster(False)
         assert ext.choose_path(32, 4608, 3584) == 1
-        assert ext.choose_path(64, 37888, 3584) == 0 and ext.choose_path(65, 37888, 3584) == 1
+        assert ext.choose_path(64, 37888, 3584) == 0 and ext.choose_path(128, 37888, 3584) == 0
+        assert ext.choose_path(129, 37888, 3584) == 1 and ext.choose_path(65, 4608, 3584) == 1
     finally:
         ext.set_cluster_max_m(before_max_m)
         kernel.set_cluster(before_cluster)

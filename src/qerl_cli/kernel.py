@@ -19,10 +19,13 @@ On CUDA the extension in ``csrc/nvfp4_kernel.cu`` is JIT-built on first use (cac
 * bf16 ``x`` with at most ``large_m_threshold()`` rows (default 64): the mma.sync kernel that streams the
   packed weight and dequantizes in registers ("cuda-kernel"), except weights of <= 4e7 entries from M = 32 on
   where their K splits cannot reduce in a cluster (below: above the cluster M limit, or clusters off);
-* bf16 ``x`` of ``large_m_threshold() < M <= tc_max_m()`` rows: the tiled tensor-core kernel ("cuda-tiled-kernel",
-  session 23): 128-row x 64- or 128-token tiles, both operands through a 4-stage cp.async pipeline in shared
-  memory, the weight dequantized in registers as in the small-M kernels, split-K where the tiles do not fill the
-  GPU; ``tc_max_m()`` is 0 (off) unless ``set_tc_max_m`` or ``QERL_TC_MAX_M`` sets it;
+* bf16 ``x`` of ``large_m_threshold() < M <= tc_max_m()`` rows: the tiled tensor-core kernels ("cuda-tiled-kernel",
+  sessions 23-24): 64-256-row x 64- or 128-token tiles, both operands through a 4-stage cp.async pipeline in
+  shared memory, the weight dequantized in registers as in the small-M kernels and multiplied with mma.sync, or
+  on an sm_90a device with warpgroup MMAs (wgmma) reading the activations from shared memory; split-K where the
+  tiles do not fill the GPU; ``tc_max_m()`` is 0 (off) unless ``set_tc_max_m`` or ``QERL_TC_MAX_M`` sets it;
+* above that, up to 128 rows, weights of more than 4e7 entries: the mma.sync kernel again (measured faster than
+  writing and reading their dequantized copy);
 * the rest, larger M, or fp16/fp32 ``x``: a dequantize kernel into a bf16/fp16/fp32 buffer, then cuBLAS
   ("cuda-dequant-cublas"); ``linear_t`` always takes this path. (``choose_path`` in the CUDA source.)
 * an optional frozen ``bias`` is added in the kernel's epilogue, after the product's bf16 rounding;
