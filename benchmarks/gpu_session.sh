@@ -149,6 +149,8 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
+#   67                             session 24: build, the small-M kernel table (M = 1-32) and the 7B-shape rollout
+#                                  table (batch 8 and 64), for at most T67 (default 450) seconds
 #   66                             session 24: build, the tiled kernels' GPU tests (mma.sync tiles 1-3, wgmma tiles
 #                                  4-7; TESTS) and the kernel bench at M = 64-4096 with the wgmma tiles forced (TCFGS)
 #   65                             session 23: Nsight Compute on the tiled kernels' tiles (NCU_VARIANTS, default
@@ -770,6 +772,18 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
+  ;;
+67)
+  # session 24: build, issue 4's small-M kernel table (M = 1-32, both models; no tiled columns) and issue 5's
+  # 7B-shape rollout table (our engine NVFP4 and bf16, HF generate; batch 8 and 64), for at most T67 seconds
+  sm90_start
+  build; stamp 67 "build done"
+  timeout 100 python3 benchmarks/bench_kernel.py --models qwen2.5-7b,qwen2.5-32b --ms "${MS:-1,2,4,8,16,32}" \
+    --tiled-from 100000 --json "$OUT/kernel.json" > "$OUT/bench_kernel.log" 2>&1
+  grep "^|" "$OUT/bench_kernel.log" | cut -d"|" -f2-13 | tail -n 50; stamp 67 "kernel bench done"
+  timeout $(( ${T67:-450} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --skip-smollm2 \
+    --json "$OUT/rollout_7b.json" 2>&1 | tee "$OUT/bench_rollout_7b.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 67 "rollouts done"
   ;;
 66)
   # session 24: build, the GPU tests of the tiled kernels (now with the wgmma tiles 4-7) and the mid/large-M kernel
