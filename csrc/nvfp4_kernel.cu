@@ -1205,33 +1205,6 @@ __device__ __forceinline__ void tc_epilogue(const float (&acc)[R][TG][4], uint8_
   if (tid == 0) counters[ticket] = 0;  // ready for the next launch on this stream
 }
 
-// The tiled kernels' stage loads (cp.async, 16 bytes a thread at a time, the CTA's THREADS threads together):
-// the K-tile-kt records of row blocks rb0 ... rb0 + ROW_BLOCKS - 1 to shared address sw, one after another (row
-// blocks past the weight: zeros; their outputs are not written) ...
-template <int ROW_BLOCKS, int THREADS>
-__device__ __forceinline__ void stage_records(uint32_t sw, const uint8_t* __restrict__ qw, int rb0, int NT, int KT,
-                                              int kt) {
-  for (int c = threadIdx.x; c < ROW_BLOCKS * (kRecordBytes / 16); c += THREADS) {
-    const int b = c / (kRecordBytes / 16), o = c % (kRecordBytes / 16);
-    const bool ok = rb0 + b < NT;
-    const uint8_t* src = qw + ((size_t)(ok ? rb0 + b : 0) * KT + kt) * kRecordBytes + 16 * o;
-    cp_async16(sw + (uint32_t)(b * kRecordBytes + 16 * o), src, ok);
-  }
-}
-// ... and inputs kt * 64 ... kt * 64 + 63 of tokens tok0 ... tok0 + TOKENS - 1, the 8-input piece o of token m to
-// shared address dst(m, o) (absent tokens and inputs past K: zeros)
-template <int TOKENS, int THREADS, typename Dst>
-__device__ __forceinline__ void stage_tokens(const __nv_bfloat16* __restrict__ x, int tok0, int M, int K, int kt,
-                                             Dst dst) {
-  for (int c = threadIdx.x; c < TOKENS * 8; c += THREADS) {
-    const int m = c >> 3, o = c & 7;
-    const int kk = kt * 64 + 8 * o;
-    const bool ok = tok0 + m < M && kk < K;
-    const __nv_bfloat16* src = ok ? x + (size_t)(tok0 + m) * K + kk : x;
-    cp_async16(dst(m, o), src, ok);
-  }
-}
-
 template <int WR, int WT, int R, int TG, int MINB>
 __global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
@@ -1256,9 +1229,19 @@ __global__ void __launch_bounds__(WR * WT * 32, MINB) nvfp4_tc_kernel(
       const int kt = kt0 + i;
       const uint32_t sw = sbase + (uint32_t)((i % kTcStages) * C::kStageBytes);
       const uint32_t sx = sw + C::kWBytes;
-      stage_records<C::kRowBlocks, C::kThreads>(sw, qw, rb0, NT, KT, kt);
-      stage_tokens<C::kTokens, C::kThreads>(x, tok0, M, K, kt,
-                                            [&](int m, int o) { return sx + (uint32_t)((m * C::kLdx + 8 * o) * 2); });
+      for (int c = tid; c < C::kRowBlocks * (kRecordBytes / 16); c += C::kThreads) {
+        const int b = c / (kRecordBytes / 16), o = c % (kRecordBytes / 16);
+        const bool ok = rb0 + b < NT;  // row blocks past the weight: zeros (their outputs are not written)
+        const uint8_t* src = qw + ((size_t)(ok ? rb0 + b : 0) * KT + kt) * kRecordBytes + 16 * o;
+        cp_async16(sw + (uint32_t)(b * kRecordBytes + 16 * o), src, ok);
+      }
+      for (int c = tid; c < C::kTokens * 8; c += C::kThreads) {
+        const int m = c >> 3, o = c & 7;
+        const int kk = kt * 64 + 8 * o;
+        const bool ok = tok0 + m < M && kk < K;  // absent tokens and inputs past K: zeros
+        const __nv_bfloat16* src = ok ? x + (size_t)(tok0 + m) * K + kk : x;
+        cp_async16(sx + (uint32_t)((m * C::kLdx + 8 * o) * 2), src, ok);
+      }
     }
     cp_async_commit();
   };
@@ -1451,9 +1434,19 @@ __global__ void __launch_bounds__(WG * 128, MINB) nvfp4_wg_kernel(
       const int kt = kt0 + i;
       const uint32_t sx = sbase + (uint32_t)((i % kWgStages) * C::kStageBytes);
       const uint32_t sw = sx + C::kXBytes;
-      stage_records<C::kRowBlocks, C::kThreads>(sw, qw, rb0, NT, KT, kt);
-      stage_tokens<NTOK, C::kThreads>(x, tok0, M, K, kt,
-                                      [&](int m, int o) { return sx + (uint32_t)(m * 128 + ((o ^ (m & 7)) << 4)); });
+      for (int c = tid; c < C::kRowBlocks * (kRecordBytes / 16); c += C::kThreads) {
+        const int b = c / (kRecordBytes / 16), o = c % (kRecordBytes / 16);
+        const bool ok = rb0 + b < NT;  // row blocks past the weight: zeros (their outputs are not written)
+        const uint8_t* src = qw + ((size_t)(ok ? rb0 + b : 0) * KT + kt) * kRecordBytes + 16 * o;
+        cp_async16(sw + (uint32_t)(b * kRecordBytes + 16 * o), src, ok);
+      }
+      for (int c = tid; c < NTOK * 8; c += C::kThreads) {
+        const int m = c >> 3, o = c & 7;
+        const int kk = kt * 64 + 8 * o;
+        const bool ok = tok0 + m < M && kk < K;  // absent tokens and inputs past K: zeros
+        const __nv_bfloat16* src = ok ? x + (size_t)(tok0 + m) * K + kk : x;
+        cp_async16(sx + (uint32_t)(m * 128 + ((o ^ (m & 7)) << 4)), src, ok);
+      }
     }
     cp_async_commit();
   };
