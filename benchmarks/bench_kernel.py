@@ -119,6 +119,10 @@ def main() -> int:
     ap.add_argument("--variant", default="auto", choices=sorted(kernel.VARIANTS),
                     help="small-M kernel variant used for the 'ours' column")
     args = ap.parse_args()
+    asked = [v.strip() for v in args.tiled_cfgs.split(",") if v.strip()]
+    if not all(v in {str(c) for c in range(1, 8)} for v in asked):
+        print(f"bench_kernel: --tiled-cfgs takes configurations 1-7, got {args.tiled_cfgs!r}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_kernel: needs a CUDA device", file=sys.stderr)
         return 2
@@ -129,7 +133,7 @@ def main() -> int:
     # the tiled configurations this device runs: mma.sync 1-3, wgmma 4-7 on an sm_90a device
     tc_cfgs = (1, 2, 3) + ((4, 5, 6, 7) if ext.wgmma_available(torch.cuda.current_device()) else ())
     if args.tiled_cfgs:
-        tc_cfgs = tuple(c for c in tc_cfgs if str(c) in args.tiled_cfgs.split(","))
+        tc_cfgs = tuple(c for c in tc_cfgs if str(c) in asked)
     kernel.set_variant(args.variant)
     ours_code = kernel.VARIANTS[args.variant]
     ms = [int(v) for v in args.ms.split(",")]

@@ -24,3 +24,12 @@ def test_gpu_session_parts_are_unique():
     lines = (ROOT / "benchmarks" / "gpu_session.sh").read_text().splitlines()
     labels = [ln[:-1] for ln in lines if ln[:1].isdigit() and ln.endswith(")") and ln[:-1].isdigit()]
     assert len(labels) > 10 and len(labels) == len(set(labels)), labels
+
+
+def test_bench_kernel_refuses_unknown_tiled_configuration():
+    """A tile number the kernels do not have is one sentence and exit 2, before any device is asked for."""
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel.py"), "--tiled-cfgs", "4,9"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--tiled-cfgs takes configurations 1-7, got '4,9'" in r.stderr, r.stderr
