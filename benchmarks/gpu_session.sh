@@ -149,6 +149,9 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
+#   69                             session 25: build, the engine's GPU tests (the kept decode graph), the 7B-shape
+#                                  rollouts with the kept graph against a capture per call (bench_rollout.py
+#                                  --keep-graph), then the decode-attention, fused, LoRA-term and train GPU tests
 #   67                             session 24: build, the small-M kernel table (M = 1-32) and the 7B-shape rollout
 #                                  table (batch 8 and 64), for at most T67 (default 450) seconds
 #   66                             session 24: build, the tiled kernels' GPU tests (mma.sync tiles 1-3, wgmma tiles
@@ -772,6 +775,19 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
+  ;;
+69)
+  # session 25: the engine keeps its decode graph between rollout calls of the same shapes (Engine.keep_graph)
+  sm90_start
+  build; stamp 69 "build done"
+  COLUMNS=200 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    > "$OUT/gpu_tests_engine.log" 2>&1; tail -n 12 "$OUT/gpu_tests_engine.log"; stamp 69 "engine GPU tests done"
+  timeout 260 python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 --json "$OUT/rollout_7b_keep.json" 2>&1 \
+    | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 69 "rollouts done"
+  COLUMNS=200 timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_decode_attn_gpu.py tests/test_fused_gpu.py tests/test_lora_in_kernel_gpu.py tests/test_train_gpu.py \
+    > "$OUT/gpu_tests_rest.log" 2>&1; tail -n 12 "$OUT/gpu_tests_rest.log"; stamp 69 "other GPU tests done"
   ;;
 67)
   # session 24: build, issue 4's small-M kernel table (M = 1-32, both models; no tiled columns) and issue 5's
