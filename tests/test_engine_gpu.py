@@ -98,6 +98,20 @@ def test_compiled_elementwise_decode(gpu_model):
     assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
 
 
+def _rank8_factors(model, seed: int) -> dict:
+    """Random rank-8 LoRA factors (fp32, CUDA) on every projection of ``model``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    factors = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            lin = layer.get_submodule(name)
+            factors[f"model.layers.{i}.{name}"] = (
+                torch.randn(8, lin.in_features, device="cuda", generator=g) * 0.05,
+                torch.randn(lin.out_features, 8, device="cuda", generator=g) * 0.05)
+    return factors
+
+
 @pytest.mark.parametrize("lora_kernels", [False, True])
 def test_batched_group_lora_on_cuda(gpu_model, lora_kernels):
     """A rank-8 adapter on every projection: the batched group terms (no-grad calls; in cuBLAS matmuls, or in the
@@ -105,15 +119,7 @@ def test_batched_group_lora_on_cuda(gpu_model, lora_kernels):
     agree, teacher-forced log-probs within bf16 rounding."""
     from qerl_cli.engine import LoRA
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    factors = {}
-    for i, layer in enumerate(gpu_model.model.layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            lin = layer.get_submodule(name)
-            factors[f"model.layers.{i}.{name}"] = (
-                torch.randn(8, lin.in_features, device="cuda", generator=g) * 0.05,
-                torch.randn(lin.out_features, 8, device="cuda", generator=g) * 0.05)
+    factors = _rank8_factors(gpu_model, 0)
     cfg = SamplingConfig(temperature=0, max_new_tokens=16)
     engines = []
     for batched in (False, True):
@@ -420,15 +426,7 @@ def test_kept_decode_graph_equals_a_fresh_capture(gpu_model):
     from qerl_cli import kernel
     from qerl_cli.engine import LoRA
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    factors = {}
-    for i, layer in enumerate(gpu_model.model.layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            lin = layer.get_submodule(name)
-            factors[f"model.layers.{i}.{name}"] = (
-                torch.randn(8, lin.in_features, device="cuda", generator=g) * 0.05,
-                torch.randn(lin.out_features, 8, device="cuda", generator=g) * 0.05)
+    factors = _rank8_factors(gpu_model, 1)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=20)
     shorter = [p[:-1] for p in PROMPTS]
 
