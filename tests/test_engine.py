@@ -138,9 +138,9 @@ def test_nan_logits_mid_rollout_stop_at_the_next_sync_point(model, monkeypatch):
     def decoder(self, *a, **k):
         step, how = make(self, *a, **k)
 
-        def poisoned(tok, pos, at):
-            calls.append(int(at))
-            logits = step(tok, pos, at)
+        def poisoned(tok):
+            calls.append(1)
+            logits = step(tok)
             if len(calls) == 4:  # the logits of the 5th generated token
                 logits = logits.clone()
                 logits[1, 7] = float("nan")

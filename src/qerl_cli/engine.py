@@ -1022,9 +1022,12 @@ class Engine:
 
     def _decoder(self, cache, key_mask: torch.Tensor, group: int, first_slot: int, first_pos: torch.Tensor
                  ) -> tuple[object, str]:
-        """``(step, how)``: ``step(tokens [R], pos [R, 1], write_at) -> logits [R, V] fp32`` over a KV cache of
+        """``(step, how)``: ``step(tokens [R]) -> logits [R, V] fp32``, the next decode step over a KV cache of
         ``R = rows of cache * group`` rows holding the prefill's ``cache`` (each row ``group`` times) and the key
-        mask ``key_mask`` (prefill rows): a CUDA graph on GPU (``use_graph``), else eager. ``how``: "new" (a new
+        mask ``key_mask`` (prefill rows): the first call writes slot ``first_slot`` at positions ``first_pos
+        [R, 1]``, each call one slot and position further (advanced on the device, inside the graph). A CUDA
+        graph on GPU (``use_graph``), else eager. ``step.tok``: the tensor the graph reads its tokens from (a
+        sampler may write them there; else ``step`` copies them in), None when eager. ``how``: "new" (a new
         cache, and graph: two warm-up steps and a capture) or "kept" (those kept from an earlier call whose
         ``_graph_key`` is the same: the cache, key mask, norm scales and LoRA snapshot values are copied into the
         tensors the step reads, which are the same on CPU and in a graph).
@@ -1051,42 +1054,54 @@ class Engine:
             kk.view(-1, group, *kk.shape[1:]).copy_(pk[:, None])
             kv.view(-1, group, *kv.shape[1:]).copy_(pv[:, None])
         kept.key_mask.view(-1, group, slots).copy_(key_mask[:, None])
+        if how == "new":
+            kept.tok = torch.zeros(rows, dtype=torch.long, device=self.device)
+            kept.pos = first_pos.clone()
+            kept.at = torch.full((), first_slot, dtype=torch.long, device=self.device)
+        else:
+            kept.pos.copy_(first_pos)
+            kept.at.fill_(first_slot)
 
-        def step(tok, pos, write_at):
+        def forward():
             prev, self._lora_snap = self._lora_snap, kept.snap
             try:
-                return self.forward(tok.view(-1, 1), pos, kept.key_mask, kept.cache, write_at,
+                return self.forward(kept.tok.view(-1, 1), kept.pos, kept.key_mask, kept.cache, kept.at,
                                     norms=kept.norms)[:, -1].float()
             finally:
                 self._lora_snap = prev
 
         if not self.use_graph:
+            def step(tok):
+                kept.tok.copy_(tok)
+                logits = forward()
+                torch._foreach_add_([kept.pos, kept.at], 1)
+                return logits
+
+            step.tok = None
             if self.keep_graph:
                 self._graph = kept
             return step, how
         if how == "new":
-            kept.tok = torch.zeros(rows, dtype=torch.long, device=self.device)
-            kept.pos = first_pos.clone()
-            kept.at = torch.full((), first_slot, dtype=torch.long, device=self.device)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
-                    step(kept.tok, kept.pos, kept.at)
+                    forward()
             torch.cuda.current_stream().wait_stream(side)
             kept.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(kept.graph):
-                kept.out = step(kept.tok, kept.pos, kept.at)
+                kept.out = forward()
+                torch._foreach_add_([kept.pos, kept.at], 1)  # the next step's position and slot
         if self.keep_graph:  # (only once captured: a failed capture keeps nothing)
             self._graph = kept
 
-        def replay(tok, pos, write_at):
-            kept.tok.copy_(tok)
-            kept.pos.copy_(pos)
-            kept.at.copy_(write_at)
+        def replay(tok):
+            if tok is not kept.tok:
+                kept.tok.copy_(tok)
             kept.graph.replay()
             return kept.out
 
+        replay.tok = kept.tok
         return replay, how
 
     def sampler(self, cfg: SamplingConfig, vocab: int) -> str:
@@ -1222,10 +1237,9 @@ class Engine:
                               hidden_only=True, attend=p_len)[:, -1]
         logits = self.lm_head(h_last)
         logits = logits.float().repeat_interleave(g, 0)
-        next_pos = pos[:, -1:].repeat_interleave(g, 0) + 1
         sync()
         t1 = time.perf_counter()
-        decode, graph_how = self._decoder(cache, key_mask, g, p_len, next_pos)
+        decode, graph_how = self._decoder(cache, key_mask, g, p_len, pos[:, -1:].repeat_interleave(g, 0) + 1)
         del cache  # (the decoder's cache holds it now, each row G times)
         t_graph = time.perf_counter() - t1
         gen = torch.Generator(device=dev).manual_seed(seed)
@@ -1235,14 +1249,13 @@ class Engine:
         blp = torch.zeros(r, t_new, dtype=torch.float32, device=dev)
         tlp = torch.zeros(r, t_new, dtype=torch.float32, device=dev)
         finished = torch.zeros(r, dtype=torch.bool, device=dev)
-        at = torch.zeros((), dtype=torch.long, device=dev)
         fast = self._fast_sampling(sampling, logits.shape[-1])
         bad = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused sampler's record of a NaN / +inf logit
         nonfinite = torch.zeros(t_new, dtype=torch.bool, device=dev)  # per step: a live row's logits had NaN/Inf
         steps = 0
         for step in range(t_new):
             tok = (_fk.sample_step(logits, sampling.temperature, seed, step, finished, eos, pad_id, out, mask, blp,
-                                   tlp, bad) if fast else None)
+                                   tlp, bad, getattr(decode, "tok", None)) if fast else None)
             if tok is None:  # torch's ops (CPU, truncation, or shapes the kernel declines)
                 live = ~finished
                 logits, bad_rows = self.finite_rows(logits, live)
@@ -1259,9 +1272,7 @@ class Engine:
             # ahead in between (steps past the last live token are trimmed below; they sample pad only)
             if step == t_new - 1 or (step % 8 == 7 and bool(finished.all() | nonfinite.any() | (bad != 0).any())):
                 break
-            at.fill_(p_len + step)
-            logits = decode(tok, next_pos, at)
-            next_pos = next_pos + 1
+            logits = decode(tok)  # (writes slot p_len + step at the next positions)
         sync()
         t2 = time.perf_counter()
         if bool(nonfinite.any() | (bad != 0).any()):
