@@ -152,6 +152,7 @@
 #   69                             session 25: build, the engine's GPU tests (the kept decode graph), the 7B-shape
 #                                  rollouts with the kept graph against a capture per call (bench_rollout.py
 #                                  --keep-graph), then the decode-attention, fused, LoRA-term and train GPU tests
+#                                  for at most T69 (default 200) seconds
 #   67                             session 24: build, the small-M kernel table (M = 1-32) and the 7B-shape rollout
 #                                  table (batch 8 and 64), for at most T67 (default 450) seconds
 #   66                             session 24: build, the tiled kernels' GPU tests (mma.sync tiles 1-3, wgmma tiles
@@ -785,7 +786,8 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout 260 python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 --json "$OUT/rollout_7b_keep.json" 2>&1 \
     | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
   stamp 69 "rollouts done"
-  COLUMNS=200 timeout $(( 590 - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+  left=$(( 590 - $(date +%s) + t0 )); [ "$left" -gt "${T69:-200}" ] && left=${T69:-200}
+  COLUMNS=200 timeout "$left" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
     tests/test_decode_attn_gpu.py tests/test_fused_gpu.py tests/test_lora_in_kernel_gpu.py tests/test_train_gpu.py \
     > "$OUT/gpu_tests_rest.log" 2>&1; tail -n 12 "$OUT/gpu_tests_rest.log"; stamp 69 "other GPU tests done"
   ;;
