@@ -1042,8 +1042,16 @@ def test_kept_decode_state_takes_lora_weights_changed_in_place(model):
     assert b.timings["decode_state"] == "kept"
     assert _same(b, Engine(pm.get_base_model(), fuse=True).generate(PROMPTS, 2, cfg, 0, {EOS}, PAD))
     assert not torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    # terms computed as in training read peft's tensors and scalings directly: nothing is kept
+    eng.batch_lora = False
+    for _ in range(2):
+        assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new" and eng._graph is None
+    eng.batch_lora = True
     eng.set_adapter(LoRA(_lora_factors(pm.get_base_model(), ["model.layers.0.mlp.gate_proj"]), scaling=1.0))
     assert eng._graph is None
+    assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new"
+    assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "kept"
+    eng.lora = LoRA(dict(eng.lora.factors), scaling=1.0)  # another adapter object, not through set_adapter
     assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new"
 
 

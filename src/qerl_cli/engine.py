@@ -442,6 +442,7 @@ class _DecodeGraph:
     norms: list[dict[str, torch.Tensor]]
     snap: dict[int, object] | None
     rope: torch.Tensor | None  # (kept alive: the graph reads its rows)
+    lora: object = None  # the adapter object the graph was captured with (compared by identity)
     tok: torch.Tensor | None = None
     pos: torch.Tensor | None = None
     at: torch.Tensor | None = None
@@ -502,6 +503,10 @@ class Engine:
         self._noisy: list[dict[str, torch.Tensor]] | None = None  # [H] or [R, 1, H] per layer and target
         self.lora: LoRA | None = None
         self.use_graph = cuda_graph and self.device.type == "cuda" and not _reference_packed(model)
+        from .packed_model import PackedLinear
+
+        # whether products run the NVFP4 kernels, whose process-wide settings a kept decode graph must match
+        self._nvfp4_on_cuda = self.device.type == "cuda" and any(isinstance(m, PackedLinear) for m in model.modules())
         # differentiable forwards without a cache recompute each layer in the backward pass
         self.grad_checkpoint = grad_checkpoint
         if fuse is None:  # default: on CUDA; QERL_ENGINE_FUSE=0/1 overrides
@@ -1016,9 +1021,17 @@ class Engine:
         norm_sig = tuple(tuple((t, tuple(v.shape), v.dtype) for t, v in sorted(d.items())) for d in norms)
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) if self.device.type == "cuda" \
             else (torch.is_autocast_enabled("cpu"),)
-        settings = tuple(sorted(_kernel.settings().items())) if self._kernels else ()
+        settings = tuple(sorted(_kernel.settings().items())) if self._nvfp4_on_cuda else ()
         return (rows, slots, self.dtype, autocast, flags, id(self.lora), id(self._ops), id(self._rope_tab), snap,
                 norm_sig, settings, os.environ.get("QERL_ATTN_CLUSTER"))
+
+    def _keepable(self) -> bool:
+        """Whether a decode graph may be kept past this call: every LoRA term it reads comes from the batched
+        snapshot (whose values a later call copies in). Terms computed as in training read the adapter's tensors
+        and Python scalings directly (``batch_lora`` off, or terms that cannot be batched): not kept."""
+        if self._lora_snap is not None:
+            return all(t is not None for t in self._lora_snap.values())
+        return self.lora is None and not any(hasattr(m, "lora_A") for m in self.model.modules())
 
     def _decoder(self, cache, key_mask: torch.Tensor, group: int, first_slot: int, first_pos: torch.Tensor
                  ) -> tuple[object, str]:
@@ -1038,18 +1051,22 @@ class Engine:
         slots = cache[0][0].shape[2]
         norms = self.effective_norm_weights()
         key = self._graph_key(rows, slots, norms)
-        kept = self._graph if self.keep_graph and self._graph is not None and self._graph.key == key else None
+        keep = self.keep_graph and self._keepable()
+        kept = self._graph
+        if not (keep and kept is not None and kept.key == key and kept.lora is self.lora):
+            kept = None
         self._graph = None  # (a graph of another key goes before the new cache is allocated)
         if kept is None:
             kept = _DecodeGraph(key=key, cache=self._new_cache(rows, slots),
                                 key_mask=torch.empty(rows, slots, dtype=torch.bool, device=self.device),
                                 norms=[{t: v.clone() for t, v in d.items()} for d in norms], snap=self._lora_snap,
-                                rope=self._rope_tab)
+                                rope=self._rope_tab, lora=self.lora)
             how = "new"
         else:
             how = "kept"
             _copy_snapshot(kept.snap, self._lora_snap)
-            torch._foreach_copy_([v for d in kept.norms for v in d.values()], [v for d in norms for v in d.values()])
+            torch._foreach_copy_([kd[t] for kd in kept.norms for t in kd], [d[t] for kd, d in zip(kept.norms, norms)
+                                                                           for t in kd])
         for (kk, kv), (pk, pv) in zip(kept.cache, cache):  # each prefill row ``group`` times, every slot
             kk.view(-1, group, *kk.shape[1:]).copy_(pk[:, None])
             kv.view(-1, group, *kv.shape[1:]).copy_(pv[:, None])
@@ -1078,21 +1095,25 @@ class Engine:
                 return logits
 
             step.tok = None
-            if self.keep_graph:
+            if keep:
                 self._graph = kept
             return step, how
         if how == "new":
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            # autocast's cast cache off: a cached cast (made by the prefill, freed when the caller leaves autocast)
+            # would be read by address from a kept graph instead of being cast in it
+            nocache = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                     enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+            with torch.cuda.stream(side), nocache:
                 for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
                     forward()
             torch.cuda.current_stream().wait_stream(side)
             kept.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(kept.graph):
+            with torch.cuda.graph(kept.graph), nocache:
                 kept.out = forward()
                 torch._foreach_add_([kept.pos, kept.at], 1)  # the next step's position and slot
-        if self.keep_graph:  # (only once captured: a failed capture keeps nothing)
+        if keep:  # (only once captured: a failed capture keeps nothing)
             self._graph = kept
 
         def replay(tok):
@@ -1241,6 +1262,7 @@ class Engine:
         t1 = time.perf_counter()
         decode, graph_how = self._decoder(cache, key_mask, g, p_len, pos[:, -1:].repeat_interleave(g, 0) + 1)
         del cache  # (the decoder's cache holds it now, each row G times)
+        sync()  # (a kept state's copies are device work: counted here, not in the first step)
         t_graph = time.perf_counter() - t1
         gen = torch.Generator(device=dev).manual_seed(seed)
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
