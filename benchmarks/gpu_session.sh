@@ -149,7 +149,8 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
-#   69                             session 25: build, the engine's GPU tests (the kept decode graph), the 7B-shape
+#   69                             (branch keep-graph: check it out first; prepared in session 25, not run: no
+#                                  device could be started) build, the engine's GPU tests (the kept decode graph), the 7B-shape
 #                                  rollouts with the kept graph against a capture per call (bench_rollout.py
 #                                  --keep-graph), then the decode-attention, fused, LoRA-term and train GPU tests
 #                                  for at most T69 (default 200) seconds
