@@ -780,6 +780,8 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   ;;
 69)
   # session 25: the engine keeps its decode graph between rollout calls of the same shapes (Engine.keep_graph)
+  grep -q -- "--keep-graph" benchmarks/bench_rollout.py \
+    || { echo "part 69 runs the code of branch keep-graph: git checkout keep-graph first" >&2; exit 2; }
   sm90_start
   build; stamp 69 "build done"
   COLUMNS=200 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
