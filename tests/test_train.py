@@ -435,7 +435,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path, dynamic):
+    """dynamic: the first informative groups of the global draw are kept, as in one process (review, session 26:
+    each rank filled its own quota from its own shard, and the adapters differed by up to 0.015 at seed 0)."""
     script = tmp_path / "dp.py"
     script.write_text(REWARD_PATCH + textwrap.dedent(f'''
         import sys
@@ -444,8 +447,9 @@ def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path):
         train.train({str(tiny_pipeline["packed"])!r}, sys.argv[1], task="arith:16", steps=2, prompts_per_step=4,
                     group=4, max_new_tokens=6, lr=5e-3, save_every=2, sigma_stages=2, sigma_start=0.05,
                     sigma_end=0.05, progress=False,
-                    overrides={{"dynamic_sampling": False, "lora_rank": 4, "lora_alpha": 8.0, "batch_prompts": 2,
-                               "num_iterations": 2, "eval_every": 2, "eval_problems": 20}})
+                    overrides={{"dynamic_sampling": {dynamic}, "max_sampling_rounds": 3, "lora_rank": 4,
+                               "lora_alpha": 8.0, "batch_prompts": 2, "num_iterations": 2, "eval_every": 2,
+                               "eval_problems": 20}})
     '''))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
     single = subprocess.run([sys.executable, str(script), str(tmp_path / "single")], capture_output=True, text=True,
@@ -467,9 +471,12 @@ def test_data_parallel_gloo_matches_single_process(tiny_pipeline, tmp_path):
             assert x["heldout_accuracy"] == y["heldout_accuracy"] and x["heldout_n"] == y["heldout_n"] == 20
         if "time_step_s" not in x:
             continue
-        for k in ("reward_mean", "accuracy", "informative_fraction", "groups_sampled", "response_length_mean"):
+        for k in ("reward_mean", "accuracy", "informative_fraction", "groups_sampled", "groups_trained",
+                  "sampling_rounds", "response_length_mean"):
             assert x[k] == pytest.approx(y[k]), k
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-5)
+    if dynamic:  # the case that tells: a step that sampled again, after some groups were kept in the first round
+        assert any(m.get("sampling_rounds", 1) > 1 and m["groups_trained"] > 0 for m in ms), ms
     rc = json.loads((tmp_path / "dp" / names.RUN_CONFIG).read_text())
     assert rc["config"]["world_size"] == 2
     assert not (tmp_path / "dp" / names.MANIFEST).read_text().count("tmp-")
@@ -547,6 +554,13 @@ def _tiny_shapes(packed):
     ({"adam_beta1": 1.5}, r"adam_beta1 and adam_beta2 must be in \[0, 1\)"),
     ({"weight_decay": -0.1}, "weight_decay finite and >= 0"),
     ({"num_problems": -7}, r"num_problems must be >= 0"),
+    # (review, session 26) a buffer above the limit penalised every completion (length 1 of 16 with buffer 64:
+    # -0.77); adv_eps -0.5 gave infinite advantages to rewards [0, 1]; eps_low >= 1 removed the lower clip
+    ({"overlong_buffer": 300, "max_new_tokens": 256}, r"overlong_buffer \(300\) must be <= max_new_tokens \(256\)"),
+    ({"adv_eps": -0.5}, "adv_eps and overlong_penalty must be finite and >= 0"),
+    ({"overlong_penalty": -1.0}, "adv_eps and overlong_penalty must be finite and >= 0"),
+    ({"eps_low": 1.0}, r"eps_low in \[0, 1\)"),
+    ({"eps_high": float("nan")}, "eps_high and max_grad_norm finite and >= 0"),
 ])
 def test_schedules_that_cannot_be_followed_are_refused(ovr, match):
     from qerl_cli import config

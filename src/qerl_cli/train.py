@@ -31,8 +31,10 @@ The run directory is a ``run`` artifact written **incrementally**, which the ato
 Data parallel: under ``torchrun --nproc-per-node N`` each rank samples its shard of every step's prompts
 (``prompts_per_step / N``), group statistics stay within groups (a group never spans ranks), loss
 denominators and metrics are summed over ranks, LoRA gradients are all-reduced (sum of per-rank sums over
-the global denominator), and rank 0 writes. With ``minibatches = 1`` and ``batch_prompts`` dividing the
-shard, N ranks compute the same update as one process on the same global batch (up to float rounding).
+the global denominator), and rank 0 writes. Dynamic sampling keeps the first informative groups of the global
+draw, as one process does, so the ranks may train different numbers of groups. With ``minibatches = 1`` and
+``batch_prompts`` dividing the shard, N ranks compute the same update as one process on the same global batch (up
+to float rounding).
 """
 
 from __future__ import annotations
@@ -146,8 +148,13 @@ class TrainConfig:
             p.append("noise_scope must be 'batch' or 'group'")
         if self.objective not in ("clean", "replay"):
             p.append("objective must be 'clean' or 'replay'")
-        if not (0 < self.lr < math.inf and self.eps_low >= 0 and self.eps_high >= 0 and self.max_grad_norm >= 0):
-            p.append("lr must be finite and > 0 and eps_low, eps_high, max_grad_norm >= 0")  # (NaN fails too)
+        if not (0 < self.lr < math.inf and 0 <= self.eps_low < 1 and 0 <= self.eps_high < math.inf
+                and 0 <= self.max_grad_norm < math.inf):
+            p.append("lr must be finite and > 0, eps_low in [0, 1) (at 1 or above the lower clip 1 - eps_low is gone), "
+                     "and eps_high and max_grad_norm finite and >= 0")  # (NaN fails too)
+        if not (0 <= self.adv_eps < math.inf and 0 <= self.overlong_penalty < math.inf):
+            p.append("adv_eps and overlong_penalty must be finite and >= 0 (a negative adv_eps can divide by zero; a "
+                     "negative overlong_penalty turns the penalty into a bonus)")
         if self.sigma_start < 0 or self.sigma_end < 0:
             p.append("sigma_start and sigma_end must be >= 0")
         noisy = self.sigma_stages >= 2 and (self.sigma_start > 0 or self.sigma_end > 0)
@@ -168,6 +175,9 @@ class TrainConfig:
             p.append("eval_every needs eval_task (a held-out dataset) when the task is not the arith generator")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.overlong_buffer < 0:
             p.append("warmup_steps and overlong_buffer must be >= 0 and min_lr_ratio in [0, 1]")
+        if self.overlong_buffer > self.max_new_tokens:
+            p.append(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens ({self.max_new_tokens}): the "
+                     "penalty starts at max_new_tokens - overlong_buffer, so a larger buffer penalises every completion")
         if not self.lora_targets:
             p.append("lora_targets must name at least one projection")
         if self.top_k != 0 or self.top_p != 1:
@@ -523,6 +533,7 @@ class Trainer:
         sampled: list[Group] = []
         rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
         done_rounds = 0
+        n_kept = 0  # kept groups on all ranks
         for rnd in range(rounds):
             idx = self.stream.take(cfg.prompts_per_step)  # the same global draw on every rank
             base = dist.rank * per_rank
@@ -551,9 +562,15 @@ class Trainer:
             if not cfg.dynamic_sampling:
                 kept = new
                 break
-            need = per_rank - len(kept)
-            kept += [x for x in new if bool(grpo.informative_groups(x.rewards, cfg.group)[0])][:need]
-            if dist.sums({"k": len(kept)}, "min")["k"] >= per_rank:
+            # the first informative groups of the global draw, as one process keeps them: every rank's flags in
+            # draw order, then each rank keeps its own of the chosen (a rank may train more groups than another)
+            flags = torch.zeros(cfg.prompts_per_step, dtype=torch.float64)
+            flags[base: base + per_rank] = torch.tensor(
+                [float(grpo.informative_groups(x.rewards, cfg.group)[0]) for x in new], dtype=torch.float64)
+            chosen = torch.nonzero(dist.all_reduce(flags) > 0.5).flatten()[: cfg.prompts_per_step - n_kept].tolist()
+            kept += [new[p - base] for p in chosen if base <= p < base + per_rank]
+            n_kept += len(chosen)
+            if n_kept >= cfg.prompts_per_step:
                 break
         return kept, sampled, done_rounds
 
