@@ -62,7 +62,16 @@ def test_report_compares_and_refuses_different_datasets(packed, tmp_path):
     r = report.report([a.path, b.path], tmp_path / "rep")
     data = json.loads(r.file(names.REPORT_JSON).read_text())
     assert len(data["evals"]) == 2 and data["paired"][0]["shared_examples"] == 3
-    assert "McNemar" in r.file(names.REPORT_MD).read_text()
+    md = r.file(names.REPORT_MD).read_text()
+    assert "McNemar" in md and "Answers checked by: qerl.parse_number 1." in md
+    # the policy each eval declares, in the table: packed weights verified, greedy, 6 new tokens at most
+    ra, rb = data["evals"]
+    assert (ra["weights"], ra["verify"], ra["top_p"], ra["max_new_tokens"]) == ("nvfp4-packed", "verified", 1.0, 6)
+    assert (rb["weights"], rb["verify"]) == ("nvfp4-dequantized", "n/a")
+    s = evaluate.evaluate(packed / "packed", "arith:3", tmp_path / "s", skip_verify=True, **kw)
+    r2 = report.report([a.path, s.path], tmp_path / "rep-s")
+    assert json.loads(r2.file(names.REPORT_JSON).read_text())["evals"][1]["verify"] == "SKIPPED"
+    assert "| SKIPPED |" in r2.file(names.REPORT_MD).read_text()
     c = evaluate.evaluate(packed / "packed", str(SHARED_DATA / "gsm8k" / "test.jsonl"), tmp_path / "c", **kw)
     with pytest.raises(QerlError, match="different datasets"):
         report.report([a.path, c.path], tmp_path / "rep2")
@@ -105,12 +114,13 @@ def test_report_on_runs_time_to_target_and_curves(tmp_path):
     r = report.report([a, b], tmp_path / "rep", target_accuracy=0.6)
     data = json.loads(r.file(names.REPORT_JSON).read_text())
     ra, rb = data["runs"]
-    assert ra["time_to_target"] == {"step": 3, "time_s": 30.0, "metric": "accuracy"}
-    assert rb["time_to_target"] == "not reached within budget"  # never extrapolated
+    assert ra["time_to_target"] == {"reached": True, "step": 3, "time_s": 30.0, "metric": "accuracy"}
+    assert rb["time_to_target"] == {"reached": False, "metric": "accuracy"}  # never extrapolated
     assert ra["best_accuracy"] == 0.7 and rb["time_s"] == 15.0
     png = r.file(names.REPORT_CURVES).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert "not reached within budget" in r.file(names.REPORT_MD).read_text()
+    md = r.file(names.REPORT_MD).read_text()
+    assert "step 3, 30 s (accuracy)" in md and "not reached within budget (accuracy)" in md
 
 
 def _heldout_run(path, first, steps, step_s=7.0):
@@ -157,7 +167,7 @@ def test_report_time_to_target_uses_heldout_accuracy(tmp_path):
     path = _heldout_run(tmp_path / "run-h", 0.3, [(0.7, None), (0.8, 0.5), (0.8, None), (0.9, 0.62)])
     r = report.report([path], tmp_path / "rep", target_accuracy=0.6)
     (row,) = json.loads(r.file(names.REPORT_JSON).read_text())["runs"]
-    assert row["time_to_target"] == {"step": 4, "time_s": 28.0, "metric": "heldout_accuracy"}
+    assert row["time_to_target"] == {"reached": True, "step": 4, "time_s": 28.0, "metric": "heldout_accuracy"}
     assert row["steps"] == 4 and row["time_s"] == 28.0
     assert row["heldout"]["first"] == 0.3 and row["heldout"]["final"] == 0.62 and row["heldout"]["best"] == 0.62
     assert row["curves"]["heldout_accuracy"] == [[0.0, 0.3], [14.0, 0.5], [28.0, 0.62]]
@@ -265,3 +275,7 @@ def test_answer_checker_is_recorded_in_eval(packed, tmp_path, monkeypatch):
     assert json.loads(b.file(names.EVAL_SUMMARY).read_text())["verifier"]["checker"] == {
         "name": "math-verify", "version": "9.9.9"}
     assert b.key != a.key
+    # (review, session 26) report paired evals scored by different checkers as if "correct" meant the same
+    with pytest.raises(QerlError, match=r"different answer checkers.*qerl.parse_number 1.*math-verify 9.9.9"):
+        report.report([a.path, b.path], tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()

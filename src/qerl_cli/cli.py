@@ -299,7 +299,7 @@ def evaluate_cmd(
 def report_cmd(
     artifacts: Annotated[list[Path], typer.Argument(help="eval artifacts (the first is the baseline of the paired tests) and/or train runs.")],
     output: Output,
-    target_accuracy: Annotated[Optional[float], typer.Option("--target-accuracy", help="For runs: report the time to reach this training accuracy (or 'not reached within budget').")] = None,
+    target_accuracy: Annotated[Optional[float], typer.Option("--target-accuracy", help="For runs: report the training time to reach this accuracy: held-out accuracy where the run evaluated it (--eval-every), else the accuracy of its training samples; the metric is named.")] = None,
     force: Force = False,
 ) -> None:
     """Compare eval artifacts (accuracy ± CI, exact McNemar and paired bootstrap on shared examples, time,

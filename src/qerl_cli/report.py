@@ -19,6 +19,11 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict], l
     if len(ids) > 1:
         names_ = ", ".join(f"{a.path} ({s['dataset']}, {s['examples']} examples)" for a, s in zip(arts, summaries))
         raise QerlError(f"these eval artifacts evaluated different datasets, so they do not compare: {names_}.")
+    checkers = {json.dumps(s.get("verifier"), sort_keys=True) for s in summaries}
+    if len(checkers) > 1:  # a different answer checker changes what "correct" means (review, session 26)
+        names_ = ", ".join(f"{a.path} ({_checker(s.get('verifier'))})" for a, s in zip(arts, summaries))
+        raise QerlError(f"these eval artifacts were scored by different answer checkers, so their accuracies do not "
+                        f"compare: {names_}; evaluate them again with the same checker installed.")
     examples = []
     for a in arts:
         ex = {}
@@ -34,7 +39,9 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict], l
         # all-0/all-1 scores, in the summary)
         ci, ci_method = stats.accuracy_ci([e["correct"] for e in ex.values()], k=s.get("samples_per_example", 1))
         rows.append({"path": str(a.path), "weights": p.get("weights"), "adapter": (p.get("adapter_digest") or "none")[:12],
-                     "temperature": p.get("temperature"), "aqn_sigma": p.get("aqn", {}).get("sigma"),
+                     "temperature": p.get("temperature"), "top_p": p.get("top_p"),
+                     "max_new_tokens": p.get("max_new_tokens"), "aqn_sigma": p.get("aqn", {}).get("sigma"),
+                     "verify": _verify_state(p), "verifier": s.get("verifier"),
                      "samples_per_example": s.get("samples_per_example", 1),
                      "examples": s["examples"], "accuracy": s["accuracy"], "ci95": list(ci), "ci_method": ci_method,
                      "generated_tokens": s["generated_tokens"], "wall_s": a.metrics.get("wall_s"),
@@ -55,6 +62,21 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict], l
         entry["paired_bootstrap"] = stats.paired_bootstrap(x, y) if shared else None
         paired.append(entry)
     return rows, paired, examples
+
+
+def _checker(verifier: dict | None) -> str:
+    """The answer checker of a recorded verifier, as ``name version`` ("not recorded" for older artifacts)."""
+    c = (verifier or {}).get("checker")
+    return f"{c.get('name')} {c.get('version')}" if isinstance(c, dict) else "not recorded"
+
+
+def _verify_state(policy: dict) -> str:
+    """How the evaluated weights were checked: "verified" (a verify artifact's digest), "SKIPPED" (a packed model
+    evaluated with --skip-verify) or "n/a" (bf16 / fp32 source weights: nothing to verify)."""
+    v = policy.get("verify")
+    if v is None:
+        return "n/a"
+    return "SKIPPED" if str(v).startswith("skipped") else "verified"
 
 
 def _arm_evals(arts: list[artifact.Artifact], examples: list[dict]) -> list[dict]:
@@ -93,15 +115,16 @@ def _arm_evals(arts: list[artifact.Artifact], examples: list[dict]) -> list[dict
 
 
 def _markdown(rows: list[dict], paired: list[dict], arm_evals: list[dict]) -> str:
-    out = ["| eval | weights | adapter | T | AQN σ | n | k | accuracy | 95% CI | tokens | wall s | peak RSS GiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| eval | weights | verify | adapter | T | top-p | max new | AQN σ | n | k | accuracy | 95% CI | tokens | "
+           "wall s | peak RSS GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['path']} | {r['weights']} | {r['adapter']} | {r['temperature']} | {r['aqn_sigma']} | "
+        out.append(f"| {r['path']} | {r['weights']} | {r['verify']} | {r['adapter']} | {r['temperature']} | "
+                   f"{r['top_p']} | {r['max_new_tokens']} | {r['aqn_sigma']} | "
                    f"{r['examples']} | {r['samples_per_example']} | {r['accuracy']:.4f} | "
                    f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | "
                    f"{r['generated_tokens']} | {r['wall_s'] or 0:.1f} | {(r['peak_rss_bytes'] or 0) / 2**30:.2f} |")
     methods = sorted({r["ci_method"] for r in rows})
-    out += ["", "Intervals: " + "; ".join(methods) + "."]
+    out += ["", "Intervals: " + "; ".join(methods) + f". Answers checked by: {_checker(rows[0]['verifier'])}."]
     if paired:
         out += ["", "| vs baseline | shared | only baseline right | only other right | McNemar p | mean diff [95% CI] |",
                 "|---|---|---|---|---|---|"]
@@ -147,9 +170,10 @@ def _run_rows(arts: list[artifact.Artifact], target: float | None) -> list[dict]
         metric = "heldout_accuracy" if held else "accuracy"
         reached = None
         if target is not None:
+            reached = {"reached": False, "metric": metric}
             for m in (held or steps):
                 if m[metric] >= target:
-                    reached = {"step": m["step"], "time_s": at[id(m)], "metric": metric}
+                    reached = {"reached": True, "step": m["step"], "time_s": at[id(m)], "metric": metric}
                     break
         peak_cuda = max(m.get("peak_mem_allocated_bytes", 0) or 0 for m in steps)
         peak_rss = max(m.get("peak_rss_bytes", 0) or 0 for m in steps)
@@ -164,7 +188,7 @@ def _run_rows(arts: list[artifact.Artifact], target: float | None) -> list[dict]
                      "mean_phase_time_s": phases,
                      "peak_cuda_allocated_bytes": peak_cuda, "peak_rss_bytes": peak_rss,
                      "target_accuracy": target,
-                     "time_to_target": reached if reached else ("not reached within budget" if target is not None else None),
+                     "time_to_target": reached,
                      "curves": {k: [[at[id(m)], m.get(k)] for m in (held if k == "heldout_accuracy" else steps)]
                                 for k in CURVES}})
     return rows
@@ -209,7 +233,8 @@ def _run_markdown(rows: list[dict]) -> str:
     for r in rows:
         f, h, ph = r["final"], r["heldout"], r["mean_phase_time_s"]
         ttt = r["time_to_target"]
-        ttt = f"step {ttt['step']}, {ttt['time_s']:.0f} s" if isinstance(ttt, dict) else (ttt or "-")
+        ttt = "-" if ttt is None else (f"step {ttt['step']}, {ttt['time_s']:.0f} s ({ttt['metric']})" if ttt["reached"]
+                                       else f"not reached within budget ({ttt['metric']})")
         held = (f"{h['first']:.3f} → {h['final']:.3f} [{h['final_ci95'][0]:.2f}, {h['final_ci95'][1]:.2f}] "
                 f"({h['best']:.3f})" if h else "-")
         out.append(f"| {r['path']} | {r['steps']} | {r['time_s']:.0f} | {held} | {fmt(f['accuracy'])} | "
@@ -250,8 +275,9 @@ def _arm_rows(run_rows: list[dict]) -> list[dict]:
         ttt = [r["time_to_target"] for _, r in runs]
         out.append({"arm": arm, "seeds": [sd_ for sd_, _ in runs], "heldout_final": finals, "heldout_final_mean": mean,
                     "heldout_final_sd": sd, "heldout_best": [r["heldout"]["best"] for _, r in runs],
-                    "time_to_target_s": [t["time_s"] if isinstance(t, dict) else t for t in ttt],
-                    "reached": sum(isinstance(t, dict) for t in ttt)})
+                    "time_to_target_s": [t["time_s"] if t and t["reached"] else
+                                         ("not reached within budget" if t else None) for t in ttt],
+                    "reached": sum(bool(t and t["reached"]) for t in ttt)})
     return out
 
 
@@ -270,7 +296,8 @@ def _arm_markdown(arms: list[dict]) -> str:
 def report(paths: list[str | Path], output: str | Path, force: bool = False,
            target_accuracy: float | None = None) -> artifact.Artifact:
     """Compare eval artifacts (the first is the baseline of the paired tests) and/or train runs (curves,
-    quality-vs-time-vs-memory table, time to ``target_accuracy`` on the training batches)."""
+    quality-vs-time-vs-memory table, time to ``target_accuracy``: on held-out accuracy where a run evaluated it,
+    else on the accuracy of its training samples)."""
     output = Path(output)
     if not paths:
         raise QerlError("report needs at least one artifact.")
