@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -249,6 +250,28 @@ def test_stale_temporary_of_dead_process_is_swept(tmp_path):
     assert not stale.exists()
     assert other.exists()
     assert (out / names.MANIFEST).is_file()
+
+
+def test_output_stranded_by_a_kill_between_the_renames_is_restored(tmp_path):
+    """(review, session 26) A stage killed outright (SIGKILL) between _replace_dir's two renames leaves the
+    previous artifact as .art.old-PID-*; the next run put it back only if nothing swept it first: the sweep
+    deleted it. Now it goes back to art (and the same command is then a cache hit); where art exists, the
+    replaced output was only not yet removed, and goes."""
+    out = tmp_path / "art"
+    first = _run(out)
+    pid = _dead_pid()
+    os.rename(out, tmp_path / f".art.old-{pid}-deadbeef")
+    half = tmp_path / f".art.tmp-{pid}-cafecafe"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
+    body = Body()
+    again = _run(out, body)
+    assert body.calls == 0 and again.digest == first.digest  # restored, then a cache hit
+    assert _siblings(out) == []
+    leftover = tmp_path / f".art.old-{_dead_pid()}-feedface"
+    leftover.mkdir()
+    _run(out)
+    assert not leftover.exists() and (out / names.MANIFEST).is_file()
 
 
 def test_temporary_of_live_process_is_kept(tmp_path):

@@ -20,7 +20,9 @@ def packed(tiny_pipeline):
     return root
 
 
-def test_adapter_is_applied_in_evaluation(packed, tmp_path):
+def test_adapter_is_applied_in_evaluation(packed, tmp_path, monkeypatch):
+    from qerl_cli import packed_model
+
     kw = dict(num_examples=4, max_new_tokens=8, progress=False)
     a = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "without", **kw)
     b = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "with", adapter=random_adapter(tmp_path / "ad", 1.0), **kw)
@@ -33,6 +35,10 @@ def test_adapter_is_applied_in_evaluation(packed, tmp_path):
     assert any(i["kind"] == "adapter" for i in b.inputs)
     assert sb["policy"]["aqn"] == {"sigma": 0.0, "seed": None}  # AQN off by default
     assert sb["policy"]["temperature"] == 0.0
+    # the same evaluation again (with its adapter): a cache hit that loads no model (review, session 26)
+    monkeypatch.setattr(packed_model, "load_packed_model", lambda *a, **k: pytest.fail("a cache hit loaded the model"))
+    again = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "with", adapter=tmp_path / "ad", **kw)
+    assert again.digest == b.digest
 
 
 def test_eval_artifact_contents_and_sources(packed, tmp_path):

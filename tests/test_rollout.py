@@ -43,9 +43,26 @@ def test_rollout_artifact(pipeline, tmp_path):
     rows = [json.loads(line) for line in art.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
     assert len(rows) == 6 and {r["status"] for r in rows} <= {"correct", "wrong", "unparsable", "truncated"}
     assert [r["prompt"] for r in rows] == [0, 0, 1, 1, 2, 2]
-    # same call again: cached, identical
-    again = rollout.rollout(pipeline / "packed", "arith:3", tmp_path / "ro", group=2, max_new_tokens=8, sigma=0.01,
-                            seed=4, progress=False)
+    sm = meta["summary"]
+    assert sm["prefill_s"] > 0 and sm["decode_s"] > 0 and sm["decode_s_includes_prefill"] is False
+    # (review, session 26) length_fraction counts every sample that hit the limit; truncated_fraction, with rewards,
+    # those cut off without a complete marked answer (the two had shared one key, the second overwriting the first)
+    assert sm["length_fraction"] == sum(r["finish_reason"] == "length" for r in rows) / 6
+    assert sm["truncated_fraction"] == sum(r["status"] == "truncated" for r in rows) / 6
+    # same call again: cached, identical, and no model is loaded for it (review, session 26: a hit loaded the
+    # whole model first, minutes for a 7B one)
+    from qerl_cli import packed_model
+
+    def no_load(*a, **k):
+        raise AssertionError("a cache hit loaded the model")
+
+    real = packed_model.load_packed_model
+    packed_model.load_packed_model = no_load
+    try:
+        again = rollout.rollout(pipeline / "packed", "arith:3", tmp_path / "ro", group=2, max_new_tokens=8,
+                                sigma=0.01, seed=4, progress=False)
+    finally:
+        packed_model.load_packed_model = real
     assert again.digest == art.digest
 
 
@@ -163,6 +180,18 @@ def test_scoring_statuses():
     assert tasks.score("first 3 then", "7", truncated=True).status == tasks.TRUNCATED
     assert tasks.score("#### 7 and more", "7", truncated=True).status == tasks.CORRECT
     assert tasks.score("#### 7", "7", False, format_reward=0.1).reward == pytest.approx(1.1)
+    # (review, session 26) a #### answer that runs to the token limit may be cut mid-number ("1" of "11"); a
+    # closed \boxed{} or anything after the number completes it; an empty \boxed{} is no answer and no bonus
+    for cut in ("so\n#### 1", "#### 1.", "#### 1,", "#### 1 ", "#### 3 /", "#### $"):
+        assert tasks.score(cut, "11", truncated=True, format_reward=0.1).status == tasks.TRUNCATED, cut
+    assert tasks.score("#### 1", "1", truncated=False).status == tasks.CORRECT  # finished by eos: complete
+    assert tasks.score("#### 11\n", "11", truncated=True).status == tasks.CORRECT
+    assert tasks.score("#### 11 and so", "11", truncated=True).status == tasks.CORRECT
+    assert tasks.score(r"\boxed{11}", "11", truncated=True).status == tasks.CORRECT
+    assert tasks.score(r"#### 2 \boxed{1", "11", truncated=True).status == tasks.WRONG  # 2 completed by text
+    empty = tasks.score(r"so \boxed{}", "1", False, format_reward=0.1)
+    assert (empty.status, empty.reward, empty.extracted) == (tasks.UNPARSABLE, 0.0, None)
+    assert tasks.score(r"\boxed{} so 4", "4", False, format_reward=0.1).reward == 1.0  # no bonus for an empty box
     gsm = tasks.load_problems(str(SHARED_DATA / "gsm8k" / "test.jsonl"), n=3)
     assert gsm[0].answer.replace(",", "").lstrip("-").isdigit()
 
@@ -219,6 +248,20 @@ def test_plain_text_prompt_file(pipeline, tmp_path):
     one = rollout.rollout(pipeline / "packed", str(f), tmp_path / "one", group=1, max_new_tokens=4, num_prompts=1,
                           progress=False)
     assert len(one.file(names.ROLLOUT_SAMPLES).read_text().splitlines()) == 1
+
+
+def test_cache_key_covers_result_switches(pipeline, tmp_path, monkeypatch):
+    """(review, session 26) QERL_ENGINE_* / QERL_KERNEL_* switches change what CUDA computes (another sampler
+    draws other tokens from the same seed): a run under them is not a cache hit of one without; verbosity is."""
+    kw = dict(group=1, max_new_tokens=2, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro", **kw)
+    monkeypatch.setenv("QERL_KERNEL_VERBOSE", "1")
+    assert rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro", **kw).key == a.key
+    monkeypatch.setenv("QERL_ENGINE_FUSED_SAMPLER", "0")
+    with pytest.raises(QerlError, match="already holds a different"):
+        rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro", **kw)
+    b = rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro2", **kw)
+    assert b.key != a.key and b.config["result_env"] == {"QERL_ENGINE_FUSED_SAMPLER": "0"}
 
 
 def test_cache_key_covers_gold_answers(pipeline, tmp_path):
@@ -316,6 +359,9 @@ def test_hf_engine_greedy_records_zero(pipeline, tmp_path):
                              temperature=0.0, engine="hf", progress=False)
     t = load_file(str(greedy.file(names.ROLLOUT_TENSORS)))
     assert (t["behaviour_logprobs"] == 0).all() and (t["tempered_logprobs"] == 0).all()  # as the engine records
+    sm = json.loads(greedy.file(names.ROLLOUT_META).read_text())["summary"]
+    # HF generate does not time its prefill apart: not measured (was 0.0), and its decode_s holds it
+    assert sm["prefill_s"] is None and sm["decode_s_includes_prefill"] is True and sm["decode_s"] > 0
 
 
 def test_hf_engine_seeds_each_batch(pipeline, tmp_path):

@@ -68,7 +68,7 @@ def _unsupported_options(conf: dict) -> list[str]:
 
 def load_lora(path: str | Path, model) -> LoRA:
     """Read a PEFT LoRA adapter and check it fits ``model`` (module names and shapes); one clear error for
-    anything our engine would not apply exactly."""
+    anything our engine would not apply exactly. ``model`` None: every check but the fit (for the digest)."""
     path = Path(path)
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
         raise QerlError(f"{path} is not a LoRA adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}.")
@@ -118,7 +118,7 @@ def load_lora(path: str | Path, model) -> LoRA:
         raise QerlError(f"adapter {path} uses what qerl's engine does not apply: {'; '.join(problems)}.")
     if not factors:
         raise QerlError(f"{path / ADAPTER_WEIGHTS} holds no LoRA tensors.")
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules()) if model is not None else None
     out, scalings = {}, {}
     for name, (a, b) in factors.items():
         if a is None or b is None:
@@ -130,10 +130,10 @@ def load_lora(path: str | Path, model) -> LoRA:
                             f"regular expression ({e}).") from None
         r_m = rank_pattern[rk] if rk is not None else r
         alpha_m = alpha_pattern[ak] if ak is not None else alpha
-        mod = modules.get(name)
-        if mod is None:
+        mod = modules.get(name) if modules is not None else None  # (None: no model, the digest alone)
+        if modules is not None and mod is None:
             raise QerlError(f"adapter {path} targets {name}, which this model does not have (an adapter for another model?).")
-        if a.shape != (r_m, mod.in_features) or b.shape != (mod.out_features, r_m):
+        if mod is not None and (a.shape != (r_m, mod.in_features) or b.shape != (mod.out_features, r_m)):
             raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; "
                             f"this model needs [{r_m}, {mod.in_features}] and [{mod.out_features}, {r_m}] "
                             "(an adapter for another model?).")

@@ -290,14 +290,23 @@ def foreign_manifest_error(out: Path) -> QerlError:
 
 
 def _sweep_stale_temporaries(out: Path) -> None:
-    """Remove temporaries (and replaced outputs) left by stages that were killed."""
+    """Remove temporaries left by stages that were killed. A replaced output (``.old-``) of a dead stage goes
+    back to ``out`` when ``out`` is missing (killed between ``_replace_dir``'s two renames: the previous artifact,
+    never the new one, is what the user had), else it is removed (killed before removing it)."""
+    stale = []
     for p in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
         try:
             pid = int(p.name.rsplit("-", 2)[-2])
         except (ValueError, IndexError):
             continue
         if pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
+            stale.append(p)
+    olds = sorted((p for p in stale if p.name.startswith(f".{out.name}.old-")), key=lambda p: p.stat().st_ctime)
+    if olds and not out.exists() and not out.is_symlink():
+        os.rename(olds[-1], out)  # (renamed last: the most recent output)
+        stale.remove(olds[-1])
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -324,15 +333,17 @@ def _peak_cuda_bytes() -> int:
 StageBody = Callable[[Path], "dict | None"]
 
 
-def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], body: StageBody,
-              force: bool = False) -> Artifact:
-    """Run ``body(tmp_dir)`` unless ``out`` already holds this exact artifact; return the artifact.
+def cached(kind: str, out: str | Path, config: dict, inputs: list[Input], force: bool = False) -> Artifact | None:
+    """The artifact at ``out`` when it already is this exact one (what run_stage would find up to date), else
+    None; the same errors as run_stage for an output it would refuse. For stages to call before their expensive
+    loads (a model), with the config and inputs they then pass to run_stage."""
+    return _existing_output(kind, Path(out), cache_key(kind, config, inputs), inputs, force)
 
-    ``body`` writes the payload files into ``tmp_dir`` and may return extra metrics.
-    """
-    out = Path(out)
-    key = cache_key(kind, config, inputs)
+
+def _existing_output(kind: str, out: Path, key: str, inputs: list[Input], force: bool) -> Artifact | None:
     check_output_apart(out, inputs)
+    if out.parent.is_dir():  # first: a previous output stranded by a killed stage goes back before the checks
+        _sweep_stale_temporaries(out)
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise QerlError(f"output path {out} exists and is not a directory.")
@@ -356,9 +367,21 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
                 raise QerlError(f"{out} already holds {what}; pass --force to replace it or choose another output.")
         elif any(out.iterdir()):
             raise QerlError(f"{out} is a non-empty directory that is not a qerl artifact; choose another output.")
+    return None
 
+
+def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], body: StageBody,
+              force: bool = False) -> Artifact:
+    """Run ``body(tmp_dir)`` unless ``out`` already holds this exact artifact; return the artifact.
+
+    ``body`` writes the payload files into ``tmp_dir`` and may return extra metrics.
+    """
+    out = Path(out)
+    key = cache_key(kind, config, inputs)
+    hit = _existing_output(kind, out, key, inputs, force)
+    if hit is not None:
+        return hit
     out.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_stale_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:

@@ -18,6 +18,23 @@ from .errors import QerlError
 C = TypeVar("C")
 
 
+# Environment switches that change what the engine and the NVFP4 kernels compute on CUDA (kernel variant, grids and
+# split-K order, fused paths, the sampler): part of the cache key of the stages that run them, when set, so a run
+# under other switches is never a cache hit of one without. Build, logging and probe switches are not.
+_RESULT_ENV_PREFIXES = ("QERL_ENGINE_", "QERL_KERNEL_", "QERL_DISABLE_KERNEL", "QERL_CLUSTER", "QERL_TC_MAX_M",
+                        "QERL_ATTN_CLUSTER")
+_NOT_RESULT_ENV = {"QERL_KERNEL_VERBOSE", "QERL_KERNEL_TIMELINE", "QERL_KERNEL_ARCH_FLAGS"}
+
+
+def result_env() -> dict:
+    """{"result_env": {...}} of the switches set in this environment (see above), or {} when none is."""
+    import os
+
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(_RESULT_ENV_PREFIXES) and k not in _NOT_RESULT_ENV}
+    return {"result_env": env} if env else {}
+
+
 def stages_dir() -> Path:
     """Directory holding the shipped stage configs (inside the wheel, or ``stages/`` of a source checkout)."""
     packaged = resources.files("qerl_cli") / "stages"

@@ -19,7 +19,7 @@ from . import artifact, config, names, stats, tasks, ui
 from .engine import SEED_LIMIT, Engine, SamplingConfig
 from .errors import QerlError
 from .modelio import fix_tokenizer
-from .rollout import eos_ids, load_policy
+from .rollout import eos_ids, resolve_policy
 
 
 @dataclass
@@ -56,8 +56,9 @@ class EvaluateConfig:
         config.validate(problems)
 
 
-def _load_source(source: str | Path, device: str, verify_dir, skip_verify: bool):
-    """Model for a packed artifact, a quant artifact (dequantized reference) or a source model."""
+def _resolve_source(source: str | Path, device: str, verify_dir, skip_verify: bool):
+    """(tokenizer, inputs, info, load) for a packed artifact, a quant artifact (dequantized reference) or a source
+    model, as ``rollout.resolve_policy``: ``load()`` reads the weights."""
     src = Path(str(source))
     if (src / names.MANIFEST).is_file() and artifact.read_manifest(src)[names.K_KIND] == names.KIND_QUANT:
         from transformers import AutoTokenizer
@@ -67,9 +68,9 @@ def _load_source(source: str | Path, device: str, verify_dir, skip_verify: bool)
 
         q = artifact.open_artifact(src, names.KIND_QUANT)
         dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        model = load_dequantized_model(load_checkpoint(q), q.path, dt, device)
-        return model, AutoTokenizer.from_pretrained(str(q.path)), [q], {"weights": "nvfp4-dequantized", "quant": q.digest}
-    return load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
+        return (AutoTokenizer.from_pretrained(str(q.path)), [q], {"weights": "nvfp4-dequantized", "quant": q.digest},
+                lambda: load_dequantized_model(load_checkpoint(q), q.path, dt, device))
+    return resolve_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
 
 
 def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: str | Path | None = None,
@@ -90,23 +91,26 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
                                    cfg.num_examples or None, split)
     if not problems:
         raise QerlError(f"{data_spec} holds no problems.")
-    model, tok, input_arts, info = _load_source(source, device, verify_dir, skip_verify)
+    tok, input_arts, info, load_model = _resolve_source(source, device, verify_dir, skip_verify)
     fix_tokenizer(tok)
-    lora = None
-    if adapter is not None:
-        from .adapter import load_lora
+    from .adapter import load_lora
 
-        lora = load_lora(adapter, model)
+    lora_digest = load_lora(adapter, None).digest if adapter is not None else None
     dataset_id = artifact.sha256_json([[p.question, p.answer] for p in problems])
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
     inputs.append(artifact.Input("data", data_spec, dataset_id))
-    if lora is not None:
-        inputs.append(artifact.Input("adapter", str(adapter), lora.digest))
-    policy = info | {"adapter": str(adapter) if adapter else None, "adapter_digest": lora.digest if lora else None,
+    if lora_digest is not None:
+        inputs.append(artifact.Input("adapter", str(adapter), lora_digest))
+    policy = info | {"adapter": str(adapter) if adapter else None, "adapter_digest": lora_digest,
                      "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                      "samples": cfg.samples, "aqn": {"sigma": cfg.sigma, "seed": cfg.seed if cfg.sigma > 0 else None}}
 
     scoring = tasks.verifier()  # the answer checker that ran (results differ between checkers)
+    run_config = config.as_dict(cfg) | {"verifier": scoring} | config.result_env()
+    hit = artifact.cached(names.KIND_EVAL, output, run_config, inputs, force)
+    if hit is None:  # (a cache hit loads no model)
+        model = load_model()
+        lora = load_lora(adapter, model) if adapter is not None else None  # (now the fit to the model too)
 
     def body(tmp: Path) -> dict:
         eng = Engine(model, device, cuda_graph=cfg.cuda_graph)
@@ -121,7 +125,7 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
             b = eng.generate([tasks.chat_prompt(tok, p.question) for p in chunk], cfg.samples, sampling,
                              cfg.seed + bi, eos, tok.pad_token_id)
             gen_tokens += b.timings["generated_tokens"]
-            wall += b.timings["prefill_s"] + b.timings["decode_s"]
+            wall += (b.timings["prefill_s"] or 0.0) + b.timings["decode_s"]  # (None: inside decode_s)
             for i, p in enumerate(chunk):
                 outs = []
                 for j in range(cfg.samples):
@@ -153,8 +157,7 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
         return {"accuracy": acc, "accuracy_ci95": [lo, hi], "examples": n, "peak_cuda_allocated": peak}
 
-    art = artifact.run_stage(names.KIND_EVAL, output, config.as_dict(cfg) | {"verifier": scoring}, inputs, body,
-                             force=force)
+    art = hit if hit is not None else artifact.run_stage(names.KIND_EVAL, output, run_config, inputs, body, force=force)
     s = json.loads(art.file(names.EVAL_SUMMARY).read_text())
     t = Table(title=f"qerl evaluate — {art.path}")
     for c in ("examples", "k", "accuracy", "95% CI", "unparsable", "truncated", "adapter"):

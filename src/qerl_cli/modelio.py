@@ -109,10 +109,22 @@ def fix_special_tokens(model, tokenizer) -> None:
         model.config.architectures = [type(model).__name__]
 
 
+def load_tokenizer(source: ModelSource):
+    """The tokenizer of ``source`` alone (no weights read), as ``load`` returns it before ``fix_special_tokens``."""
+    from transformers import AutoTokenizer
+
+    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(str(source.directory), **kw)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad model dir
+        first = (str(e).splitlines() or [type(e).__name__])[0].rstrip(": ")
+        raise QerlError(f"could not load model {source.spec}: {first or type(e).__name__}.") from None
+
+
 def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
     """Load (model, tokenizer) on CPU in ``dtype``, eval mode, special tokens fixed; ``attn_implementation``
     overrides the one the model's config asks for."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -120,8 +132,8 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implement
     logging.getLogger("transformers").setLevel(logging.ERROR)
     kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     mkw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    tokenizer = load_tokenizer(source)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kw)
         model, loading = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype,
                                                               output_loading_info=True, **kw, **mkw)
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad model dir

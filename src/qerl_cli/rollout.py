@@ -81,14 +81,17 @@ def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None) -
     return v
 
 
-def load_policy(source: str | Path, device: str, dtype: torch.dtype | None = None, verify_dir=None,
-                skip_verify: bool = False):
-    """(HF-module model, tokenizer, inputs, info) for a packed artifact or a source model (bf16 baseline)."""
+def resolve_policy(source: str | Path, device: str, dtype: torch.dtype | None = None, verify_dir=None,
+                   skip_verify: bool = False):
+    """(tokenizer, inputs, info, load) for a packed artifact (its verify artifact checked) or a source model (bf16
+    baseline), with no weight read: ``load()`` reads them (the HF-module model on ``device``). A stage checks its
+    cache between the two, so a rerun that is a cache hit never loads a model."""
     from transformers import AutoTokenizer
 
     from .packed_model import load_packed_model
 
     src = Path(str(source))
+    dt = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if (src / names.MANIFEST).is_file():
         packed = artifact.open_artifact(src, names.KIND_PACKED)
         inputs = [packed]
@@ -99,14 +102,22 @@ def load_policy(source: str | Path, device: str, dtype: torch.dtype | None = Non
             v = require_verified(packed, verify_dir)
             inputs.append(v)
             info["verify"] = v.digest
-        dt = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-        model = load_packed_model(packed, dt, device)
-        tok = AutoTokenizer.from_pretrained(str(packed.path))
-        return model, tok, inputs, info
+        return AutoTokenizer.from_pretrained(str(packed.path)), inputs, info, lambda: load_packed_model(packed, dt, device)
     ms = modelio.resolve(str(source))
-    dt = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    model, tok = modelio.load(ms, dt)
-    return model.to(device), tok, [ms.as_input()], {"weights": str(dt).replace("torch.", ""), "model": ms.spec}
+    tok = modelio.load_tokenizer(ms)
+    modelio.fix_tokenizer(tok)  # (as modelio.load leaves it)
+
+    def load():
+        return modelio.load(ms, dt)[0].to(device)
+
+    return tok, [ms.as_input()], {"weights": str(dt).replace("torch.", ""), "model": ms.spec}, load
+
+
+def load_policy(source: str | Path, device: str, dtype: torch.dtype | None = None, verify_dir=None,
+                skip_verify: bool = False):
+    """(HF-module model, tokenizer, inputs, info) for a packed artifact or a source model (bf16 baseline)."""
+    tok, inputs, info, load = resolve_policy(source, device, dtype, verify_dir, skip_verify)
+    return load(), tok, inputs, info
 
 
 def eos_ids(model, tok) -> set[int]:
@@ -166,7 +177,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         "group": group, "max_new_tokens": max_new_tokens, "sigma": sigma, "seed": seed, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "num_prompts": num_prompts, "noise_scope": noise_scope,
         "progress": progress, "engine": engine, "device": device})
-    vllm_engine = None
+    quant_inputs = []
     if cfg.engine == "vllm":
         from . import vllm_backend
 
@@ -175,26 +186,33 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
                         if i.get(names.K_KIND) == names.KIND_QUANT]
         if not quant_inputs:
             raise QerlError("--engine vllm needs a packed artifact made from a quant checkpoint.")
-        vllm_engine = vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
-    model, tok, input_arts, info = load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
+    tok, input_arts, info, load_model = resolve_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
     modelio.fix_tokenizer(tok)
     texts, problems = load_prompts(prompts, cfg.seed, cfg.num_prompts, tok)
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
-    lora = None
-    if adapter is not None:
-        from .adapter import load_lora
+    from .adapter import load_lora
 
-        lora = load_lora(adapter, model)
+    lora_digest = load_lora(adapter, None).digest if adapter is not None else None
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
     # the rewards depend on the gold answers and the verifier as much as on the questions
     scoring = tasks.verifier() if problems is not None else None
     inputs.append(artifact.Input("prompts", prompts, artifact.sha256_json(
         {"prompts": texts, "answers": [p.answer for p in problems] if problems is not None else None,
          "verifier": scoring})))
-    if lora is not None:
-        inputs.append(artifact.Input("adapter", str(adapter), lora.digest))
+    if lora_digest is not None:
+        inputs.append(artifact.Input("adapter", str(adapter), lora_digest))
+    # the answer checker that scored (results differ between checkers): recorded, and part of the key
+    run_config = config.as_dict(cfg) | {"verifier": scoring} | config.result_env()
+    hit = artifact.cached(names.KIND_ROLLOUT, output, run_config, inputs, force)
+    if hit is not None:  # (before the model loads: minutes for a large one)
+        _print(json.loads(hit.file(names.ROLLOUT_META).read_text())["summary"], hit.path)
+        return hit
+    vllm_engine = (vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
+                   if cfg.engine == "vllm" else None)
+    model = load_model()
+    lora = load_lora(adapter, model) if adapter is not None else None  # (now the fit to the model too)
 
     def body(tmp: Path) -> dict:
         eng = Engine(model, device, cuda_graph=cfg.cuda_graph)
@@ -242,9 +260,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
         return summary | {"peak_cuda_allocated": peak}
 
-    # the answer checker that scored (results differ between checkers): recorded, and part of the key
-    art = artifact.run_stage(names.KIND_ROLLOUT, output, config.as_dict(cfg) | {"verifier": scoring}, inputs, body,
-                             force=force)
+    art = artifact.run_stage(names.KIND_ROLLOUT, output, run_config, inputs, body, force=force)
     _print(json.loads(art.file(names.ROLLOUT_META).read_text())["summary"], art.path)
     return art
 
@@ -333,7 +349,7 @@ def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[in
     ended = (mask & torch.isin(seq, torch.tensor(sorted(eos)))).any(1)
     return RolloutBatch([list(p) for p in prompts], cfg.group, seq, mask, blp, tlp,
                         ["eos" if e else "length" for e in ended.tolist()],
-                        {"prefill_s": 0.0, "decode_s": dt, "generated_tokens": int(mask.sum()),
+                        {"prefill_s": None, "decode_s": dt, "generated_tokens": int(mask.sum()),  # (not separable)
                          "tokens_per_s": int(mask.sum()) / dt})
 
 
@@ -410,14 +426,18 @@ def _stack(batches: list[RolloutBatch], pad: int) -> dict[str, torch.Tensor]:
 
 def _summary(rows: list[dict], batches: list[RolloutBatch]) -> dict:
     gen = sum(b.timings["generated_tokens"] for b in batches)
-    pre = sum(b.timings["prefill_s"] for b in batches)
+    # prefill_s None: an engine that does not time its prefill apart (HF generate, vLLM), whose decode_s holds it
+    split = all(b.timings["prefill_s"] is not None for b in batches)
+    pre = sum(b.timings["prefill_s"] for b in batches) if split else None
     dec = sum(b.timings["decode_s"] for b in batches)
     s = {"samples": len(rows), "generated_tokens": gen, "prefill_s": pre, "decode_s": dec,
-         "tokens_per_s": gen / max(pre + dec, 1e-9),
-         "truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
+         "decode_s_includes_prefill": not split, "tokens_per_s": gen / max((pre or 0.0) + dec, 1e-9),
+         "length_fraction": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
          "mean_length": gen / len(rows)}
     if rows and "reward" in rows[0]:
         for st in (tasks.CORRECT, tasks.WRONG, tasks.UNPARSABLE, tasks.TRUNCATED):
+            # (truncated_fraction: cut off with no complete marked answer; length_fraction above: every sample that
+            # hit max_new_tokens, answered or not)
             s[f"{st}_fraction"] = sum(r["status"] == st for r in rows) / len(rows)
         s["reward_mean"] = sum(r["reward"] for r in rows) / len(rows)
     return s

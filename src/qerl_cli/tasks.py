@@ -48,7 +48,7 @@ def parse_number(text: str) -> Fraction | None:
 def extract_answer(completion: str) -> str | None:
     """The final answer of a completion: ``\\boxed{}``, then ``#### x``, then "answer is x", then the last number."""
     for pattern in (_BOXED, _HASHES, _ANSWER_IS):
-        found = pattern.findall(completion)
+        found = [f for f in pattern.findall(completion) if f.strip()]  # (an empty \boxed{} holds no answer)
         if found:
             ans = found[-1].strip()
             # \boxed{x = 5}: the value after the last "=" (an equation is not itself a number)
@@ -110,11 +110,21 @@ class Outcome:
     extracted: str | None
 
 
+# what may still follow a number that a completion ends in: more digits, a decimal point, a thousands comma, a
+# fraction's slash, spaces (``#### 1`` cut off by the token limit may have been ``#### 12`` or ``#### 1.5``)
+_NUMBER_GOES_ON = re.compile(r"[\d.,/ \t$]*")
+
+
 def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.0) -> Outcome:
-    """Reward 1 for a correct final answer (+ ``format_reward`` for a ``####``/boxed answer), 0 otherwise.
-    A completion cut off by the token limit is ``truncated`` (reward 0) unless it already holds a marked
-    final answer."""
-    marked = bool(_BOXED.search(completion) or _HASHES.search(completion))
+    """Reward 1 for a correct final answer (+ ``format_reward`` for a non-empty ``####``/boxed answer), 0
+    otherwise. A completion cut off by the token limit is ``truncated`` (reward 0) unless it already holds a
+    complete marked final answer: a closed ``\boxed{}``, or a ``####`` answer that something other than the
+    number's own characters follows (one that runs to the cut may be missing its last digits)."""
+    boxed = any(b.strip() for b in _BOXED.findall(completion))
+    hashes = list(_HASHES.finditer(completion))
+    marked = boxed or bool(hashes)
+    if truncated and not boxed and hashes and _NUMBER_GOES_ON.fullmatch(completion[hashes[-1].end():]):
+        marked = False  # the last #### answer runs to the cut
     pred = extract_answer(completion)
     if truncated and not marked:
         return Outcome(0.0, TRUNCATED, pred)
@@ -127,7 +137,8 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
 
 # The reward function's identity (bump when the rules of ``score`` / ``extract_answer`` change): rollouts key
 # their cache on it with the gold answers, as the rewards depend on both.
-REWARD_FUNCTION = "qerl.tasks.score/2"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5
+REWARD_FUNCTION = "qerl.tasks.score/3"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5; 3: an empty \boxed{} is
+# no answer (nor a format bonus), and a cut-off completion whose #### answer runs to the cut is truncated
 
 
 def verifier() -> dict:

@@ -303,7 +303,7 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
     q = artifact.open_artifact(against, names.KIND_QUANT)
     lineage_ok = any(i.get(names.K_DIGEST) == q.digest for i in p.inputs)
     backend = _backend_name(cfg.device)
-    conf = config.as_dict(cfg) | {"backend": backend}
+    conf = config.as_dict(cfg) | {"backend": backend} | config.result_env()
 
     def body(tmp: Path) -> dict:
         from transformers import AutoTokenizer

@@ -75,7 +75,7 @@ class VLLMEngine:
             lp[i, :n] = torch.tensor([d[tok].logprob for d, tok in zip(c.logprobs, c.token_ids)])
         reasons = ["eos" if c.finish_reason == "stop" else "length" for c in seqs]
         return RolloutBatch([list(p) for p in prompts], group, ids, mask, lp, lp, reasons,
-                            {"prefill_s": 0.0, "decode_s": dt, "generated_tokens": int(mask.sum()),
+                            {"prefill_s": None, "decode_s": dt, "generated_tokens": int(mask.sum()),
                              "tokens_per_s": int(mask.sum()) / dt})
 
 
