@@ -105,15 +105,7 @@ def test_batched_group_lora_on_cuda(gpu_model, lora_kernels):
     agree, teacher-forced log-probs within bf16 rounding."""
     from qerl_cli.engine import LoRA
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    factors = {}
-    for i, layer in enumerate(gpu_model.model.layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            lin = layer.get_submodule(name)
-            factors[f"model.layers.{i}.{name}"] = (
-                torch.randn(8, lin.in_features, device="cuda", generator=g) * 0.05,
-                torch.randn(lin.out_features, 8, device="cuda", generator=g) * 0.05)
+    factors = _random_factors(gpu_model, 8, 0)
     cfg = SamplingConfig(temperature=0, max_new_tokens=16)
     engines = []
     for batched in (False, True):
