@@ -68,7 +68,8 @@ def _unsupported_options(conf: dict) -> list[str]:
 
 def load_lora(path: str | Path, model) -> LoRA:
     """Read a PEFT LoRA adapter and check it fits ``model`` (module names and shapes); one clear error for
-    anything our engine would not apply exactly. ``model`` None: every check but the fit (for the digest)."""
+    anything our engine would not apply exactly. ``model`` None: every check but the fit (``fit_lora`` later: a
+    stage reads the adapter, and its digest, before its model loads)."""
     path = Path(path)
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
         raise QerlError(f"{path} is not a LoRA adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}.")
@@ -118,7 +119,6 @@ def load_lora(path: str | Path, model) -> LoRA:
         raise QerlError(f"adapter {path} uses what qerl's engine does not apply: {'; '.join(problems)}.")
     if not factors:
         raise QerlError(f"{path / ADAPTER_WEIGHTS} holds no LoRA tensors.")
-    modules = dict(model.named_modules()) if model is not None else None
     out, scalings = {}, {}
     for name, (a, b) in factors.items():
         if a is None or b is None:
@@ -130,13 +130,9 @@ def load_lora(path: str | Path, model) -> LoRA:
                             f"regular expression ({e}).") from None
         r_m = rank_pattern[rk] if rk is not None else r
         alpha_m = alpha_pattern[ak] if ak is not None else alpha
-        mod = modules.get(name) if modules is not None else None  # (None: no model, the digest alone)
-        if modules is not None and mod is None:
-            raise QerlError(f"adapter {path} targets {name}, which this model does not have (an adapter for another model?).")
-        if mod is not None and (a.shape != (r_m, mod.in_features) or b.shape != (mod.out_features, r_m)):
-            raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; "
-                            f"this model needs [{r_m}, {mod.in_features}] and [{mod.out_features}, {r_m}] "
-                            "(an adapter for another model?).")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r_m or b.shape[1] != r_m:
+            raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; its "
+                            f"config gives it rank {r_m} ([{r_m}, in] and [out, {r_m}]).")
         if not (a.is_floating_point() and b.is_floating_point()):
             raise QerlError(f"adapter {path} has {name} factors of type {a.dtype}, {b.dtype}; LoRA factors are "
                             "floating point (an adapter written wrongly?).")
@@ -154,4 +150,21 @@ def load_lora(path: str | Path, model) -> LoRA:
     # so a changed config is a new adapter to the stages' caches and records (review, session 19)
     digest = sha256_json({"weights": sha256_file(path / ADAPTER_WEIGHTS),
                           "scalings": {n: scalings[n] for n in sorted(scalings)}})
-    return LoRA(out, scaling, digest)
+    lora = LoRA(out, scaling, digest)
+    if model is not None:
+        fit_lora(lora, model, path)
+    return lora
+
+
+def fit_lora(lora: LoRA, model, path: str | Path) -> None:
+    """One clear error unless every factor pair of ``lora`` (read from ``path``) fits a projection of ``model``."""
+    modules = dict(model.named_modules())
+    for name, (a, b) in lora.factors.items():
+        mod = modules.get(name)
+        if mod is None:
+            raise QerlError(f"adapter {path} targets {name}, which this model does not have (an adapter for another model?).")
+        r_m = a.shape[0]
+        if a.shape[1] != mod.in_features or b.shape[0] != mod.out_features:
+            raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; "
+                            f"this model needs [{r_m}, {mod.in_features}] and [{mod.out_features}, {r_m}] "
+                            "(an adapter for another model?).")

@@ -93,9 +93,10 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         raise QerlError(f"{data_spec} holds no problems.")
     tok, input_arts, info, load_model = _resolve_source(source, device, verify_dir, skip_verify)
     fix_tokenizer(tok)
-    from .adapter import load_lora
+    from .adapter import fit_lora, load_lora
 
-    lora_digest = load_lora(adapter, None).digest if adapter is not None else None
+    lora = load_lora(adapter, None) if adapter is not None else None  # (fit to the model once it loads)
+    lora_digest = lora.digest if lora is not None else None
     dataset_id = artifact.sha256_json([[p.question, p.answer] for p in problems])
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
     inputs.append(artifact.Input("data", data_spec, dataset_id))
@@ -110,7 +111,8 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
     hit = artifact.cached(names.KIND_EVAL, output, run_config, inputs, force)
     if hit is None:  # (a cache hit loads no model)
         model = load_model()
-        lora = load_lora(adapter, model) if adapter is not None else None  # (now the fit to the model too)
+        if lora is not None:
+            fit_lora(lora, model, adapter)
 
     def body(tmp: Path) -> dict:
         eng = Engine(model, device, cuda_graph=cfg.cuda_graph)

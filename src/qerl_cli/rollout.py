@@ -192,9 +192,10 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
-    from .adapter import load_lora
+    from .adapter import fit_lora, load_lora
 
-    lora_digest = load_lora(adapter, None).digest if adapter is not None else None
+    lora = load_lora(adapter, None) if adapter is not None else None  # (fit to the model once it loads)
+    lora_digest = lora.digest if lora is not None else None
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
     # the rewards depend on the gold answers and the verifier as much as on the questions
     scoring = tasks.verifier() if problems is not None else None
@@ -212,7 +213,8 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     vllm_engine = (vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
                    if cfg.engine == "vllm" else None)
     model = load_model()
-    lora = load_lora(adapter, model) if adapter is not None else None  # (now the fit to the model too)
+    if lora is not None:
+        fit_lora(lora, model, adapter)
 
     def body(tmp: Path) -> dict:
         eng = Engine(model, device, cuda_graph=cfg.cuda_graph)
