@@ -159,6 +159,31 @@ def test_failed_verify_blocks_rollout(pipeline, tmp_path):
             rollout.rollout(pipeline / "packed", "arith:1", tmp_path / "ro", verify_dir=v, progress=False)
 
 
+def test_kernel_runs_need_a_verify_of_the_kernel(pipeline, tmp_path, monkeypatch):
+    """A verify made on CPU checked the torch reference, not the CUDA kernel: it does not authorise a run that
+    uses the kernel, nor does a kernel verify made under other kernel switches (the engine's own may differ)."""
+    from qerl_cli import verify as qverify
+
+    packed = artifact.open_artifact(pipeline / "packed", names.KIND_PACKED)
+    assert rollout.require_verified(packed, pipeline / "verify", "cpu")  # CPU runs: the CPU verify is enough
+    monkeypatch.setattr(qverify, "backend_name", lambda device: "cuda-kernel")  # (a run on a GPU)
+    with pytest.raises(QerlError, match="torch-reference, not the CUDA kernel"):
+        rollout.require_verified(packed, pipeline / "verify", "cuda")
+    v = tmp_path / "verify"
+
+    def body(tmp):
+        (tmp / names.VERIFY_REPORT).write_text(json.dumps({"passed": True, "backend": "cuda-kernel"}))
+        return {"passed": True}
+
+    artifact.run_stage(names.KIND_VERIFY, v, {"backend": "cuda-kernel"}, [packed.as_input(v)], body)
+    assert rollout.require_verified(packed, v, "cuda")
+    monkeypatch.setenv("QERL_ENGINE_FUSED_SAMPLER", "0")
+    assert rollout.require_verified(packed, v, "cuda")
+    monkeypatch.setenv("QERL_KERNEL_VARIANT", "v2")
+    with pytest.raises(QerlError, match="other kernel switches"):
+        rollout.require_verified(packed, v, "cuda")
+
+
 @pytest.mark.parametrize("text,expected", [
     ("The total is $1,080.00", "1080"), ("so the answer is\n#### 72", "72"),
     (r"we get \boxed{\frac{1}{2}}", "1/2"), ("It weighs 12 kg in total.", "12"), ("I do not know", None),

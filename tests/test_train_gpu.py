@@ -22,12 +22,23 @@ def _fake_score(batch, tok, problems, format_reward):  # informative groups from
              "reward": float(int(batch.completion_ids[r, 0]) % 2 == 0)} for r in range(batch.rows)]
 
 
+@pytest.fixture(scope="module")
+def gpu_verify(tiny_pipeline, tmp_path_factory):
+    """A verify of the tiny pack on CUDA: the shared one ran on CPU (the torch reference), which does not
+    authorise a run that uses the kernel."""
+    from qerl_cli.verify import verify
+
+    out = tmp_path_factory.mktemp("gpu_verify") / "verify"
+    verify(tiny_pipeline["packed"], out, progress=False, device="cuda")
+    return out
+
+
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_train_steps_on_cuda(tiny_pipeline, tmp_path, monkeypatch, ckpt):
+def test_train_steps_on_cuda(tiny_pipeline, gpu_verify, tmp_path, monkeypatch, ckpt):
     monkeypatch.setattr(rollout, "score_batch", _fake_score)
     ovr = {"dynamic_sampling": False, "lora_rank": 4, "lora_alpha": 8.0, "batch_prompts": 2, "eval_every": 3,
            "eval_problems": 8, "gradient_checkpointing": ckpt}
-    art = train.train(tiny_pipeline["packed"], tmp_path / "run", **KW, overrides=ovr)
+    art = train.train(tiny_pipeline["packed"], tmp_path / "run", **KW, overrides=ovr, verify_dir=gpu_verify)
     ms = [json.loads(x) for x in (art.path / names.RUN_METRICS).read_text().splitlines()]
     steps = [m for m in ms if "time_step_s" in m]
     assert len(steps) == 3 and "heldout_accuracy" in ms[0] and "heldout_accuracy" in ms[-1]

@@ -24,6 +24,7 @@ C = TypeVar("C")
 _RESULT_ENV_PREFIXES = ("QERL_ENGINE_", "QERL_KERNEL_", "QERL_DISABLE_KERNEL", "QERL_CLUSTER", "QERL_TC_MAX_M",
                         "QERL_ATTN_CLUSTER")
 _NOT_RESULT_ENV = {"QERL_KERNEL_VERBOSE", "QERL_KERNEL_TIMELINE", "QERL_KERNEL_ARCH_FLAGS"}
+_ENGINE_ENV_PREFIXES = ("QERL_ENGINE_", "QERL_ATTN_CLUSTER")  # the engine's (not the NVFP4 kernels') switches
 
 
 def result_env() -> dict:
@@ -33,6 +34,14 @@ def result_env() -> dict:
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith(_RESULT_ENV_PREFIXES) and k not in _NOT_RESULT_ENV}
     return {"result_env": env} if env else {}
+
+
+def kernel_env(env: dict | None = None) -> dict:
+    """The switches of ``env`` (a ``result_env`` mapping; default: this environment's) that change what the NVFP4
+    kernels compute, the ones a verify of the kernel must have run under (the engine's own switches are not)."""
+    if env is None:
+        env = result_env().get("result_env", {})
+    return {k: v for k, v in env.items() if not k.startswith(_ENGINE_ENV_PREFIXES)}
 
 
 def stages_dir() -> Path:

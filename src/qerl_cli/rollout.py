@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 from safetensors.torch import save_file
 
@@ -65,8 +66,11 @@ class RolloutConfig:
         return SamplingConfig(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
 
 
-def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None) -> artifact.Artifact:
-    """The verify artifact of ``packed`` that passed; a clear error otherwise."""
+def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None, device: str = "cpu"
+                     ) -> artifact.Artifact:
+    """The verify artifact of ``packed`` that passed; a clear error otherwise. A run on ``device`` that will use
+    the CUDA kernel needs a verify that ran the kernel (not the torch reference, which a CPU verify checks)
+    under the same kernel switches (``config.kernel_env``)."""
     cand = Path(verify_dir) if verify_dir is not None else packed.path.parent / "verify"
     hint = f"run `qerl verify {packed.path} -o DIR` and pass --verify DIR, or pass --skip-verify"
     if not (cand / names.MANIFEST).is_file():
@@ -74,10 +78,19 @@ def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None) -
     v = artifact.open_artifact(cand, names.KIND_VERIFY)
     if not any(i.get(names.K_DIGEST) == packed.digest for i in v.inputs):
         raise QerlError(f"{cand} verified a different pack than {packed.path}; {hint}.")
-    from .verify import verify_passed
+    from .verify import backend_name, verify_backend, verify_passed
 
     if not verify_passed(v):
         raise QerlError(f"{packed.path} failed verification ({cand}); fix the pack before sampling from it.")
+    if backend_name(device) == "cuda-kernel":
+        hint = (f"run `qerl verify {packed.path} -o DIR` on this GPU with this run's environment and pass "
+                "--verify DIR, or pass --skip-verify")
+        if (ran := verify_backend(v)) != "cuda-kernel":
+            raise QerlError(f"{cand} checked the pack with the {ran}, not the CUDA kernel this run uses; {hint}.")
+        then, now = config.kernel_env(v.config.get("result_env", {})), config.kernel_env()
+        if then != now:
+            raise QerlError(f"{cand} verified the CUDA kernel under other kernel switches "
+                            f"({then or 'none set'}) than this run's ({now or 'none set'}); {hint}.")
     return v
 
 
@@ -99,7 +112,7 @@ def resolve_policy(source: str | Path, device: str, dtype: torch.dtype | None = 
         if skip_verify:
             info["verify"] = "skipped (--skip-verify)"
         else:
-            v = require_verified(packed, verify_dir)
+            v = require_verified(packed, verify_dir, device)
             inputs.append(v)
             info["verify"] = v.digest
         return AutoTokenizer.from_pretrained(str(packed.path)), inputs, info, lambda: load_packed_model(packed, dt, device)
@@ -446,7 +459,7 @@ def _summary(rows: list[dict], batches: list[RolloutBatch]) -> dict:
 
 
 def _print(summary: dict, path: Path) -> None:
-    t = Table(title=f"qerl rollout — {path}")
+    t = Table(title=f"qerl rollout — {escape(str(path))}")
     t.add_column("quantity")
     t.add_column("value", justify="right")
     for k, v in summary.items():

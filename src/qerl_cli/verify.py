@@ -62,8 +62,10 @@ class VerifyConfig:
         config.validate(problems)
 
 
-def _backend_name(device: str) -> str:
-    if device == "cpu":
+def backend_name(device: str) -> str:
+    """What computes the packed products on ``device``: "cuda-kernel" (the extension builds and loads) or
+    "torch-reference"."""
+    if not str(device).startswith("cuda"):
         return "torch-reference"
     try:
         from . import kernel
@@ -302,7 +304,7 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
         against = (p.path / quant_inputs[0][names.K_PATH]).resolve()
     q = artifact.open_artifact(against, names.KIND_QUANT)
     lineage_ok = any(i.get(names.K_DIGEST) == q.digest for i in p.inputs)
-    backend = _backend_name(cfg.device)
+    backend = backend_name(cfg.device)
     conf = config.as_dict(cfg) | {"backend": backend} | config.result_env()
 
     def body(tmp: Path) -> dict:
@@ -335,6 +337,14 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
                              force=force)
     print_report(json.loads(art.file(names.VERIFY_REPORT).read_text()))
     return art
+
+
+def verify_backend(v: artifact.Artifact) -> str:
+    """What computed the packed products a verify artifact checked, from its (hashed) report."""
+    try:
+        return str(json.loads(v.file(names.VERIFY_REPORT).read_text()).get("backend", "an unrecorded backend"))
+    except (OSError, ValueError, AttributeError) as e:
+        raise QerlError(f"{v.path}: its {names.VERIFY_REPORT} cannot be read ({e}); rerun verify with --force.") from None
 
 
 def verify_passed(v: artifact.Artifact) -> bool:
