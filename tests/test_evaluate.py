@@ -285,3 +285,15 @@ def test_answer_checker_is_recorded_in_eval(packed, tmp_path, monkeypatch):
     with pytest.raises(QerlError, match=r"different answer checkers.*qerl.parse_number 1.*math-verify 9.9.9"):
         report.report([a.path, b.path], tmp_path / "rep")
     assert not (tmp_path / "rep").exists()
+
+
+def test_paths_and_messages_print_as_written(packed, tmp_path):
+    """(review, session 27) An output path with markup brackets crashed the table after the artifact was
+    written, and ":x:" in an error sentence printed as an emoji."""
+    out = tmp_path / "ev[/x]"
+    r = run_cli("evaluate", str(packed / "packed"), "--data", "arith:2", "-n", "1", "--max-new-tokens", "2",
+                "--no-progress", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert str(out) in r.stdout and (out / names.MANIFEST).is_file()
+    r = run_cli("evaluate", str(packed / "packed"), "--data", "arith:x", "--no-progress", "-o", str(tmp_path / "e"))
+    assert r.returncode == 1 and "arith:x" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from . import artifact, config, names, stats, tasks, ui
@@ -161,7 +162,7 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
 
     art = hit if hit is not None else artifact.run_stage(names.KIND_EVAL, output, run_config, inputs, body, force=force)
     s = json.loads(art.file(names.EVAL_SUMMARY).read_text())
-    t = Table(title=f"qerl evaluate — {art.path}")
+    t = Table(title=f"qerl evaluate — {escape(str(art.path))}")
     for c in ("examples", "k", "accuracy", "95% CI", "unparsable", "truncated", "adapter"):
         t.add_column(c, justify="right")
     t.add_row(str(s["examples"]), str(s["samples_per_example"]), f"{s['accuracy']:.4f}",

@@ -326,5 +326,5 @@ def report(paths: list[str | Path], output: str | Path, force: bool = False,
     art = artifact.run_stage(names.KIND_REPORT, output, {"baseline": str(arts[0].path),
                                                          "target_accuracy": target_accuracy},
                              [a.as_input(output) for a in arts], body, force=force)
-    ui.out.print(art.file(names.REPORT_MD).read_text())
+    ui.out.print(art.file(names.REPORT_MD).read_text(), markup=False)
     return art

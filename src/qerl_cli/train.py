@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from safetensors.torch import load_file, save_file
 
 from . import artifact, config, grpo, lora, modelio, names, rollout, stats, tasks, ui
@@ -873,7 +874,7 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
         state = _prepare_output(output, key, True, False) if (output / names.RUN_CONFIG).is_file() or \
             (output / names.MANIFEST).is_file() else "fresh"
     if state == "cached":
-        ui.info(f"[green]train[/]: {output} is up to date (cached); nothing to do. Use --force to recompute.")
+        ui.info(f"[green]train[/]: {escape(str(output))} is up to date (cached); nothing to do. Use --force to recompute.")
         return artifact.open_artifact(output, names.KIND_RUN)
 
     pm = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
@@ -918,7 +919,7 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
             })
     dist.barrier()
     if start:
-        ui.info(f"train: resuming {output} after step {start}")
+        ui.info(f"train: resuming {escape(str(output))} after step {start}")
     # training time so far (summed step times of the kept metrics lines; evaluations not counted)
     elapsed = sum(r.get("time_step_s", 0.0) for r in _metrics_lines(output / names.RUN_METRICS)) \
         if state == "resume" else 0.0
@@ -977,7 +978,7 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
                    "peak_cuda_bytes": max((x["peak_mem_allocated_bytes"] for x in lines), default=0),
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         art = _write_manifest(output, cfg_dict, inputs, key, summary)
-        ui.info(f"[green]train[/]: {last} steps done; adapter in {output / names.STEP_DIR.format(last)}")
+        ui.info(f"[green]train[/]: {last} steps done; adapter in {escape(str(output / names.STEP_DIR.format(last)))}")
     dist.barrier()
     if art is None:
         art = artifact.Artifact(output, artifact.read_manifest(output))

@@ -11,8 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 T = TypeVar("T")
 
-console = Console(stderr=True, highlight=False)
-out = Console(highlight=False)  # tables and reports a user may pipe
+# (no emoji codes: ":x:" in an error sentence or a path stays as written)
+console = Console(stderr=True, highlight=False, emoji=False)
+out = Console(highlight=False, emoji=False)  # tables and reports a user may pipe
 
 
 def info(msg: str) -> None:
