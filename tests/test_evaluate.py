@@ -297,3 +297,53 @@ def test_paths_and_messages_print_as_written(packed, tmp_path):
     assert str(out) in r.stdout and (out / names.MANIFEST).is_file()
     r = run_cli("evaluate", str(packed / "packed"), "--data", "arith:x", "--no-progress", "-o", str(tmp_path / "e"))
     assert r.returncode == 1 and "arith:x" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cluster_effective_size_known_values():
+    # ten prompts asked five times each, every repeat answered alike: worth ten trials, not fifty
+    assert stats.cluster_effective_size([5] * 5 + [0] * 5, [5] * 10) == pytest.approx(10)
+    # independent-looking repeats (within-cluster spread like the whole): close to every trial
+    assert stats.cluster_effective_size([2, 3, 2, 3, 3, 2, 2, 3, 2, 3], [5] * 10) == 50
+    # unequal clusters: p = 0.1, Var(p) = 3/2 * (0.8^2 + 0.1^2 + 0.9^2) / 10^2
+    assert stats.cluster_effective_size([0, 0, 1], [8, 1, 1]) == pytest.approx(0.09 / (1.5 * 1.46 / 100))
+    # none right: the correlation cannot be estimated, the Kish size (sum m)^2 / sum m^2 (below 3 clusters)
+    assert stats.cluster_effective_size([0, 0, 0], [8, 1, 1]) == pytest.approx(100 / 66)
+    # one trial per cluster: as before (Wilson over n)
+    scores = [1, 0, 0, 1, 1, 0, 1, 0, 0, 0]
+    assert stats.accuracy_ci(scores, 1, clusters=list(range(10))) == stats.accuracy_ci(scores, 1)
+    assert stats.accuracy_ci(scores, 1)[0] == stats.wilson(4, 10)
+
+
+def test_repeated_prompts_are_one_cluster():
+    """(review, session 27) arith:N repeats held-out questions; greedy answers to a repeat are copies, so the
+    interval, the paired bootstrap and McNemar must not count them as new examples."""
+    scores = [1.0] * 25 + [0.0] * 25  # five prompts of ten repeats each, all alike
+    prompts = [i // 10 for i in range(50)]
+    (lo, hi), method = stats.accuracy_ci(scores, 1, clusters=prompts)
+    assert "5 distinct prompts" in method
+    n_eff = stats.cluster_effective_size([10, 10, 5, 0, 0], [10] * 5)
+    assert (lo, hi) == stats._wilson_at(0.5, n_eff) and hi - lo > 2 * (lambda t: t[1] - t[0])(stats.wilson(25, 50))
+    a = [0.0] * 50
+    b = [1.0] * 20 + [0.0] * 30  # the other policy gets two of the five prompts right
+    plain = stats.paired_bootstrap(a, b)["ci95"]
+    clustered = stats.paired_bootstrap(a, b, clusters=prompts)["ci95"]
+    assert clustered[1] - clustered[0] > 2 * (plain[1] - plain[0])
+    with pytest.raises(ValueError, match="cluster keys"):
+        stats.paired_bootstrap(a, b, clusters=prompts[:-1])
+
+
+def test_eval_of_repeated_prompts_clusters_them(packed, tmp_path):
+    kw = dict(max_new_tokens=2, progress=False)
+    a = evaluate.evaluate(packed / "packed", "arith:60", tmp_path / "a", **kw)
+    b = evaluate.evaluate(packed / "quant", "arith:60", tmp_path / "b", **kw)
+    rows = [json.loads(x) for x in a.file(names.EVAL_EXAMPLES).read_text().splitlines()]
+    prompts = [r["prompt"] for r in rows]
+    s = json.loads(a.file(names.EVAL_SUMMARY).read_text())
+    assert s["examples"] == 60 and s["distinct_prompts"] == len(set(prompts)) < 60  # the task repeats questions
+    ci, method = stats.accuracy_ci([r["correct"] for r in rows], 1, clusters=prompts)
+    assert s["accuracy_ci95"] == list(ci) and s["ci_method"] == method
+    assert list(ci) != list(stats.wilson(sum(r["correct"] for r in rows), 60))
+    rep = json.loads(report.report([a.path, b.path], tmp_path / "rep").file(names.REPORT_JSON).read_text())
+    assert rep["evals"][0]["ci95"] == list(ci)
+    pair = rep["paired"][0]
+    assert pair["distinct_prompts"] == s["distinct_prompts"] and "mcnemar_exact_p" not in pair

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
-from qerl_cli import artifact, lora, names, rollout, tasks, train
+from qerl_cli import artifact, lora, names, rollout, stats, tasks, train
 from qerl_cli.adapter import load_lora
 from qerl_cli.engine import Engine
 from qerl_cli.errors import QerlError
@@ -252,11 +252,14 @@ def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):
     ms = _metrics(run)
     assert [m["step"] for m in ms] == [0, 1, 2, 3, 4]
     assert set(ms[0]) == {"step", "time_elapsed_s", "heldout_accuracy", "heldout_ci95", "heldout_n",
-                          "heldout_distinct_questions", "heldout_parse_failure_rate", "heldout_truncation_rate",
-                          "time_eval_s"}
+                          "heldout_distinct_questions", "heldout_n_eff", "heldout_parse_failure_rate",
+                          "heldout_truncation_rate", "time_eval_s"}
     assert [("heldout_accuracy" in m) for m in ms] == [True, False, True, False, True]
     assert all(m["heldout_n"] == 6 and 0 <= m["heldout_accuracy"] <= 1 for m in ms if "heldout_n" in m)
     assert ms[2]["heldout_ci95"][0] <= ms[2]["heldout_accuracy"] <= ms[2]["heldout_ci95"][1]
+    for m in (ms[0], ms[2], ms[4]):  # a Wilson interval at the clustered effective size (repeats: one cluster)
+        assert m["heldout_n_eff"] <= m["heldout_n"]
+        assert m["heldout_ci95"] == list(stats.wilson(m["heldout_accuracy"] * m["heldout_n_eff"], m["heldout_n_eff"]))
     elapsed = [m["time_elapsed_s"] for m in ms[1:]]
     assert elapsed == sorted(elapsed) and elapsed[-1] == pytest.approx(sum(m["time_step_s"] for m in ms[1:]))
     assert art.metrics["heldout_accuracy_first"] == ms[0]["heldout_accuracy"]

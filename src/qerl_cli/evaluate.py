@@ -148,9 +148,11 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         n = len(per_example)
         correct_all = sum(x["correct"] for e in per_example for x in e["samples"])
         acc = correct_all / (n * cfg.samples)
-        (lo, hi), ci_method = stats.accuracy_ci([e["correct"] for e in per_example], k=cfg.samples)
+        prompts = [e["prompt"] for e in per_example]  # (a repeated prompt is one cluster, not new trials)
+        (lo, hi), ci_method = stats.accuracy_ci([e["correct"] for e in per_example], k=cfg.samples, clusters=prompts)
         flat = [x for e in per_example for x in e["samples"]]
-        summary = {"dataset": data_spec, "dataset_id": dataset_id, "examples": n, "samples_per_example": cfg.samples,
+        summary = {"dataset": data_spec, "dataset_id": dataset_id, "examples": n, "distinct_prompts": len(set(prompts)),
+                   "samples_per_example": cfg.samples,
                    "accuracy": acc, "accuracy_ci95": [lo, hi], "ci_method": ci_method,
                    f"pass@{cfg.samples}": sum(e[f"pass@{cfg.samples}"] for e in per_example) / n,
                    "unparsable_rate": sum(x["unparsable"] for x in flat) / len(flat),

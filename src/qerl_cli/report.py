@@ -37,7 +37,8 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict], l
         # the interval is recomputed from the per-example scores, so every row uses the same method (older
         # artifacts hold a Wilson interval over all n*k samples, or a percentile bootstrap that collapses at
         # all-0/all-1 scores, in the summary)
-        ci, ci_method = stats.accuracy_ci([e["correct"] for e in ex.values()], k=s.get("samples_per_example", 1))
+        ci, ci_method = stats.accuracy_ci([e["correct"] for e in ex.values()], k=s.get("samples_per_example", 1),
+                                          clusters=[_prompt(e, i) for i, e in ex.items()])
         rows.append({"path": str(a.path), "weights": p.get("weights"), "adapter": (p.get("adapter_digest") or "none")[:12],
                      "temperature": p.get("temperature"), "top_p": p.get("top_p"),
                      "max_new_tokens": p.get("max_new_tokens"), "aqn_sigma": p.get("aqn", {}).get("sigma"),
@@ -53,15 +54,25 @@ def _eval_rows(arts: list[artifact.Artifact]) -> tuple[list[dict], list[dict], l
         shared = sorted(set(base) & set(ex))
         x = [float(base[i]["correct"]) for i in shared]
         y = [float(ex[i]["correct"]) for i in shared]
-        entry = {"baseline": str(arts[0].path), "other": str(a.path), "shared_examples": len(shared)}
-        # McNemar needs one right/wrong outcome per example; mean@k scores (k > 1) get the paired bootstrap only
-        if all(isinstance(base[i]["correct"], bool) and isinstance(ex[i]["correct"], bool) for i in shared):
+        prompts = [_prompt(base[i], i) for i in shared]
+        entry = {"baseline": str(arts[0].path), "other": str(a.path), "shared_examples": len(shared),
+                 "distinct_prompts": len(set(prompts))}
+        # McNemar needs one right/wrong outcome per independent example; mean@k scores (k > 1) and sets that
+        # repeat a prompt (repeats are not independent) get the paired bootstrap only, resampling prompts whole
+        if len(set(prompts)) == len(prompts) and all(isinstance(base[i]["correct"], bool)
+                                                    and isinstance(ex[i]["correct"], bool) for i in shared):
             b = sum(1 for i in shared if base[i]["correct"] and not ex[i]["correct"])
             c = sum(1 for i in shared if not base[i]["correct"] and ex[i]["correct"])
             entry.update(baseline_only_correct=b, other_only_correct=c, mcnemar_exact_p=stats.mcnemar_exact(b, c))
-        entry["paired_bootstrap"] = stats.paired_bootstrap(x, y) if shared else None
+        entry["paired_bootstrap"] = stats.paired_bootstrap(x, y, clusters=prompts) if shared else None
         paired.append(entry)
     return rows, paired, examples
+
+
+def _prompt(example: dict, index) -> object:
+    """An example's prompt, its cluster key (examples with one prompt are not independent); an example without
+    a recorded prompt is its own cluster."""
+    return example.get("prompt", ("example", index))
 
 
 def _checker(verifier: dict | None) -> str:
@@ -91,11 +102,12 @@ def _arm_evals(arts: list[artifact.Artifact], examples: list[dict]) -> list[dict
             arms.setdefault(key[0], []).append((key[1], ex))
     if len(arms) < 2:
         return []
-    pooled = {}
+    pooled, prompt_of = {}, {}
     for arm, seeds in arms.items():
         shared = set.intersection(*(set(ex) for _, ex in seeds))
         pooled[arm] = ({i: sum(float(ex[i]["correct"]) for _, ex in seeds) / len(seeds) for i in shared},
                        sorted(s for s, _ in seeds))
+        prompt_of.update((i, _prompt(e, i)) for _, ex in seeds for i, e in ex.items())
     order = list(arms)  # first appearance in the arguments
     base_arm = order[0]
     out = []
@@ -109,7 +121,8 @@ def _arm_evals(arts: list[artifact.Artifact], examples: list[dict]) -> list[dict
             shared = sorted(set(scores) & set(pooled[base_arm][0]))
             row["vs"] = base_arm
             row["paired_bootstrap"] = stats.paired_bootstrap([pooled[base_arm][0][i] for i in shared],
-                                                             [scores[i] for i in shared]) if shared else None
+                                                             [scores[i] for i in shared],
+                                                             clusters=[prompt_of[i] for i in shared]) if shared else None
         out.append(row)
     return out
 

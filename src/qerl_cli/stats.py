@@ -32,15 +32,58 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def paired_bootstrap(a: list[float], b: list[float], iters: int = 2000, seed: int = 0) -> dict:
-    """Mean difference b - a with a 95% percentile interval, resampling examples."""
+def _groups(n: int, clusters: list | None) -> list[list[int]]:
+    """The indices 0..n-1 grouped by equal ``clusters`` keys (first appearance order); each its own without."""
+    if clusters is None:
+        return [[i] for i in range(n)]
+    if len(clusters) != n:
+        raise ValueError(f"{len(clusters)} cluster keys for {n} examples")
+    groups: dict = {}
+    for i, c in enumerate(clusters):
+        groups.setdefault(c, []).append(i)
+    return list(groups.values())
+
+
+def paired_bootstrap(a: list[float], b: list[float], iters: int = 2000, seed: int = 0,
+                     clusters: list | None = None) -> dict:
+    """Mean difference b - a with a 95% percentile interval, resampling examples, or with ``clusters`` (one key
+    per example: examples with equal keys, such as repeats of one prompt, are not independent) resampling the
+    clusters whole (each resample's mean difference over the examples it holds)."""
     if len(a) != len(b) or not a:
         raise ValueError("paired bootstrap needs two equally long non-empty lists")
     rng = random.Random(seed)
     n = len(a)
     diffs = [y - x for x, y in zip(a, b)]
-    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(iters))
+    groups = _groups(n, clusters)
+    sums, sizes = [sum(diffs[i] for i in g) for g in groups], [len(g) for g in groups]
+    c = len(groups)
+    means = []
+    for _ in range(iters):
+        picks = [rng.randrange(c) for _ in range(c)]
+        means.append(sum(sums[j] for j in picks) / sum(sizes[j] for j in picks))
+    means.sort()
     return {"mean_diff": sum(diffs) / n, "ci95": [means[int(0.025 * iters)], means[int(0.975 * iters) - 1]]}
+
+
+def cluster_effective_size(successes: list[float], trials: list[float]) -> float:
+    """The number of independent Bernoulli trials that clusters of correlated trials are worth (cluster j:
+    ``successes[j]`` right of ``trials[j]``): ``n_eff = p(1-p) / Var(p)`` with p = sum successes / sum trials
+    and the ratio estimator's variance ``Var(p) = C/(C-1) * sum_j (s_j - p t_j)^2 / (sum t)^2`` over the C
+    clusters, clamped to [n_kish, N]: N = sum t (every trial independent), n_kish = N^2 / sum t_j^2 (the
+    trials within a cluster all alike: C for clusters of equal size). When p is 0 or 1, or C < 2, the
+    correlation cannot be estimated: n_kish (conservative). Var(p) = 0 with 0 < p < 1: N."""
+    c = len(trials)
+    total = float(sum(trials))
+    if c == 0 or total <= 0:
+        return 0.0
+    n_kish = total * total / sum(float(t) * t for t in trials)
+    p = sum(float(x) for x in successes) / total
+    if c < 2 or p <= 0.0 or p >= 1.0:
+        return n_kish
+    var = c / (c - 1) * sum((float(x) - p * t) ** 2 for x, t in zip(successes, trials)) / (total * total)
+    if var <= 0.0:
+        return total
+    return min(max(p * (1 - p) / var, n_kish), total)
 
 
 def effective_sample_size(per_example: list[float], k: int) -> float:
@@ -51,20 +94,10 @@ def effective_sample_size(per_example: list[float], k: int) -> float:
     than the examples). When p is 0 or 1 (or there is a single example) the correlation of an example's samples
     cannot be estimated: n_eff = n (conservative). s^2 = 0 with 0 < p < 1 (every example the same fraction):
     n*k. For k = 1 the scores are 0/1, s^2 = p(1-p) n / (n-1), and n_eff is n."""
-    n = len(per_example)
-    if n == 0:
-        return 0.0
-    vals = [float(x) for x in per_example]
-    p = sum(vals) / n
-    if n < 2 or p <= 0.0 or p >= 1.0:
-        return float(n)
-    var = sum((v - p) ** 2 for v in vals) / (n - 1)
-    if var <= 0.0:
-        return float(n * k)
-    return min(max(p * (1 - p) * n / var, float(n)), float(n * k))
+    return cluster_effective_size([float(x) * k for x in per_example], [k] * len(per_example))
 
 
-def accuracy_ci(per_example: list[float], k: int = 1, z: float = 1.959963984540054
+def accuracy_ci(per_example: list[float], k: int = 1, z: float = 1.959963984540054, clusters: list | None = None
                 ) -> tuple[tuple[float, float], str]:
     """95% interval of an accuracy from per-example scores (``k`` samples per example; mean@k scores in
     [0, 1] for k > 1, right/wrong for k = 1), and the method used: a Wilson score interval at the observed mean
@@ -72,12 +105,25 @@ def accuracy_ci(per_example: list[float], k: int = 1, z: float = 1.9599639845400
     correlated, so n*k samples treated as independent would give too narrow an interval). For k = 1 it is
     exactly the Wilson interval over the n examples. Unlike a percentile bootstrap over examples it never
     collapses to zero width (all-0 or all-1 scores: Wilson on n; one success among many examples: a Wilson
-    upper bound, not the bootstrap's handful of resamples)."""
+    upper bound, not the bootstrap's handful of resamples).
+
+    ``clusters`` (one key per example, e.g. its prompt): examples with equal keys are scored together as one
+    cluster of :func:`cluster_effective_size` (a generated task can repeat a question; greedy answers to a
+    repeat are copies, not new trials). Without repeats this is the interval above."""
     n = len(per_example)
     if n == 0:
         return (0.0, 1.0), "none (no examples)"
     if k < 1:
         raise ValueError(f"k (samples per example) must be >= 1, got {k}")
+    groups = _groups(n, clusters)
+    if len(groups) < n:
+        succ = [sum(float(per_example[i]) * k for i in g) for g in groups]
+        n_eff = cluster_effective_size(succ, [len(g) * k for g in groups])
+        p = sum(succ) / (n * k)
+        return _wilson_at(p, n_eff, z), (
+            f"Wilson score, 95%, at the effective sample size n_eff = {n_eff:.4g} of {n} examples x {k} samples "
+            f"in {len(groups)} distinct prompts (repeats of a prompt scored as one cluster: n_eff = p(1-p)/Var(p), "
+            "Var(p) from the between-cluster variance, clamped to [N^2/sum size^2, N]; the lower end when p is 0 or 1)")
     if k == 1:
         return wilson(sum(float(x) for x in per_example), n, z), "Wilson score, 95%, over examples"
     p = sum(float(x) for x in per_example) / n

@@ -39,6 +39,7 @@ to float rounding).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as _dt
 import hashlib
@@ -625,6 +626,9 @@ class Trainer:
         t0 = time.perf_counter()
         n = len(self.heldout)
         counts = {"n": 0, "correct": 0, "unparsable": 0, "truncated": 0}
+        # right answers per distinct question (a repeated question is one cluster of the interval, not new trials)
+        qkey = {q: f"q{j:06d}" for j, q in enumerate(dict.fromkeys(p.question for p in self.heldout))}
+        counts |= dict.fromkeys(qkey.values(), 0)
         chunk = max(cfg.batch_prompts * cfg.group, 1)  # as many rows per engine call as a training rollout
         self.engine.set_noise(0.0, 0)
         # global chunks dealt round-robin to the ranks, each sampled with its own seed: the same calls and the
@@ -639,15 +643,19 @@ class Trainer:
             rows = rollout.score_batch(b, self.tok, [self.heldout[i] for i in idx], 0.0)
             counts["n"] += len(rows)
             counts["correct"] += sum(r["status"] == tasks.CORRECT for r in rows)
+            for i, r in zip(idx, rows):
+                counts[qkey[self.heldout[i].question]] += r["status"] == tasks.CORRECT
             counts["unparsable"] += sum(r["status"] == tasks.UNPARSABLE for r in rows)
             counts["truncated"] += sum(f == "length" for f in b.finish_reason)
         c = dist.sums(counts)
         _sync(self.device)
         acc = c["correct"] / max(c["n"], 1)
-        lo_ci, hi_ci = stats.wilson(c["correct"], int(c["n"]))
-        # problems repeat (one-digit arithmetic has few distinct questions): the CI treats them as independent
+        # one-digit arithmetic repeats its questions: each distinct question is one cluster of the interval
+        asked = collections.Counter(p.question for p in self.heldout)
+        n_eff = stats.cluster_effective_size([c[qkey[q]] for q in qkey], [asked[q] for q in qkey])
+        lo_ci, hi_ci = stats.wilson(acc * n_eff, n_eff)
         return {"heldout_accuracy": acc, "heldout_ci95": [lo_ci, hi_ci], "heldout_n": int(c["n"]),
-                "heldout_distinct_questions": len({p.question for p in self.heldout}),
+                "heldout_distinct_questions": len(qkey), "heldout_n_eff": n_eff,
                 "heldout_parse_failure_rate": c["unparsable"] / max(c["n"], 1),
                 "heldout_truncation_rate": c["truncated"] / max(c["n"], 1),
                 "time_eval_s": time.perf_counter() - t0}
