@@ -34,7 +34,7 @@ def test_adapter_is_applied_in_evaluation(packed, tmp_path, monkeypatch):
     assert sa["policy"]["adapter_digest"] is None and sb["policy"]["adapter_digest"]
     assert any(i["kind"] == "adapter" for i in b.inputs)
     assert sb["policy"]["aqn"] == {"sigma": 0.0, "seed": None}  # AQN off by default
-    assert sb["policy"]["temperature"] == 0.0
+    assert sb["policy"]["temperature"] == 0.0 and sb["policy"]["sampling_seed"] is None  # greedy: no seed
     # the same evaluation again (with its adapter): a cache hit that loads no model (review, session 26)
     monkeypatch.setattr(packed_model, "load_packed_model", lambda *a, **k: pytest.fail("a cache hit loaded the model"))
     again = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "with", adapter=tmp_path / "ad", **kw)
@@ -59,6 +59,7 @@ def test_eval_artifact_contents_and_sources(packed, tmp_path):
                           max_new_tokens=4, progress=False)
     rk = [json.loads(x) for x in k.file(names.EVAL_EXAMPLES).read_text().splitlines()]
     assert all(len(r["samples"]) == 3 for r in rk) and "pass@3" in rk[0]
+    assert json.loads(k.file(names.EVAL_SUMMARY).read_text())["policy"]["sampling_seed"] == k.config["seed"]
 
 
 def test_report_compares_and_refuses_different_datasets(packed, tmp_path):
@@ -98,6 +99,18 @@ def test_mcnemar_and_pass_at_k():
     assert stats.mcnemar_exact(10, 2) == pytest.approx(0.03857421875)
     assert stats.pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert stats.pass_at_k(10, 3, 2) == pytest.approx(1 - (7 * 6) / (10 * 9))
+    with pytest.raises(ValueError, match="k <= n"):  # (it said 1.0 for k > n, even with nothing right)
+        stats.pass_at_k(2, 0, 3)
+
+
+@pytest.mark.parametrize("sigma", ["nan", "inf", "-1"])
+def test_sigma_must_be_finite(packed, tmp_path, sigma):
+    with pytest.raises(QerlError, match="sigma must be a finite number"):
+        evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "e", sigma=float(sigma), progress=False)
+    from qerl_cli import rollout
+    with pytest.raises(QerlError, match="sigma must be a finite number"):
+        rollout.rollout(packed / "packed", "arith:1", tmp_path / "r", sigma=float(sigma), progress=False)
+    assert not (tmp_path / "e").exists() and not (tmp_path / "r").exists()
 
 
 def _fake_run(path, accuracies, step_s=10.0):

@@ -100,3 +100,23 @@ def test_round_trip_of_nothing_is_a_failure():
     rt = verify.check_round_trip({}, {"linears": {}}, {}, True)
     assert rt["passed"] is False and rt["linears_checked"] == 0
     assert rt["problems"] == ["no packed linear was checked"]
+
+
+def test_a_packed_bias_the_checkpoint_lacks_fails(tiny_pipeline, tmp_path, monkeypatch):
+    """(review, session 27) check 1's reference took the packed module's own bias, so a wrong bias compared
+    equal to itself; the reference now takes the checkpoint's."""
+    target = "model.layers.0.mlp.down_proj"
+    real_load = verify.load_packed_model
+
+    def load(*a, **kw):
+        m = real_load(*a, **kw)
+        mod = m.get_submodule(target)
+        mod.bias = torch.nn.Parameter(torch.full((mod.out_features,), 0.5), requires_grad=False)
+        return m
+
+    monkeypatch.setattr(verify, "load_packed_model", load)
+    report = _verify_copy(tiny_pipeline, tmp_path)
+    proj = report["checks"]["1_projections"]
+    assert report["passed"] is False and proj["passed"] is False
+    (bad,) = [r for r in proj["layers"] if not r["passed"]]
+    assert bad["name"] == target and bad["max_rel_error"] > 1e-2

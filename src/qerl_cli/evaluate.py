@@ -44,8 +44,8 @@ class EvaluateConfig:
             problems.append("samples (k) must be >= 1")
         if self.samples > 1 and self.temperature == 0:
             problems.append("k > 1 samples need temperature > 0 (greedy gives k identical answers)")
-        if self.sigma < 0:
-            problems.append("sigma must be >= 0")
+        if not 0 <= self.sigma < float("inf"):  # (also refuses nan)
+            problems.append("sigma must be a finite number >= 0")
         if not 0 <= self.seed < SEED_LIMIT:
             problems.append(f"seed must be in [0, {SEED_LIMIT}) (2**40)")
         if self.num_examples < 0 or self.batch_prompts < 1:
@@ -105,7 +105,9 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         inputs.append(artifact.Input("adapter", str(adapter), lora_digest))
     policy = info | {"adapter": str(adapter) if adapter else None, "adapter_digest": lora_digest,
                      "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                     "samples": cfg.samples, "aqn": {"sigma": cfg.sigma, "seed": cfg.seed if cfg.sigma > 0 else None}}
+                     "samples": cfg.samples, "sampling_seed": cfg.seed if cfg.temperature > 0 else None,
+                     "batch_prompts": cfg.batch_prompts,  # (each batch's seed and noise draw follow from it)
+                     "aqn": {"sigma": cfg.sigma, "seed": cfg.seed if cfg.sigma > 0 else None}}
 
     scoring = tasks.verifier()  # the answer checker that ran (results differ between checkers)
     run_config = config.as_dict(cfg) | {"verifier": scoring} | config.result_env()

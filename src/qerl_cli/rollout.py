@@ -44,8 +44,8 @@ class RolloutConfig:
         problems = []
         if self.group < 1:
             problems.append("group (G) must be >= 1")
-        if self.sigma < 0:
-            problems.append("sigma must be >= 0")
+        if not 0 <= self.sigma < float("inf"):  # (also refuses nan)
+            problems.append("sigma must be a finite number >= 0")
         if not 0 <= self.seed < SEED_LIMIT:
             problems.append(f"seed must be in [0, {SEED_LIMIT}) (2**40)")
         if self.noise_scope not in ("batch", "group"):

@@ -134,7 +134,9 @@ def accuracy_ci(per_example: list[float], k: int = 1, z: float = 1.9599639845400
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021); k <= n."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))

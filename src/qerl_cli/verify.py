@@ -80,11 +80,12 @@ def _rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return err if err == err else float("inf")
 
 
-def _check_product(name: str, mod, w: torch.Tensor, cfg: VerifyConfig, gen: torch.Generator, act_dtype,
-                   tol: float, fused: bool) -> dict:
+def _check_product(name: str, mod, w: torch.Tensor, bias: torch.Tensor | None, cfg: VerifyConfig,
+                   gen: torch.Generator, act_dtype, tol: float, fused: bool) -> dict:
     """One packed module: forward ``x @ W^T (+ b)`` at each of ``batch_sizes`` and, through its autograd,
     ``g @ W`` (the input gradient training takes through the frozen weight) at each of ``batch_sizes_t``, both
-    against fp32 products with ``w`` (dequantized from the quant checkpoint)."""
+    against fp32 products with ``w`` (dequantized from the quant checkpoint) and ``bias`` (the checkpoint's,
+    not the packed module's own)."""
     dev = w.device
     worst = worst_t = 0.0
     nan = False
@@ -93,8 +94,8 @@ def _check_product(name: str, mod, w: torch.Tensor, cfg: VerifyConfig, gen: torc
         with torch.no_grad():
             y = mod(x)
         ref = x.float() @ w.t()
-        if mod.bias is not None:
-            ref = ref + mod.bias.float()
+        if bias is not None:
+            ref = ref + bias.float()
         nan |= not bool(torch.isfinite(y).all())
         worst = max(worst, _rel_error(y, ref))
     for m in cfg.batch_sizes_t:
@@ -147,6 +148,10 @@ def check_projections(packed_model, ref_tensors: dict[str, torch.Tensor], cfg: V
         return nvfp4.dequantize(nvfp4.unpack_nibbles(ref_tensors[key]), ref_tensors[f"{name}.{names.CT_SCALE}"],
                                 ref_tensors[f"{name}.{names.CT_GLOBAL}"]).to(dev)
 
+    def ref_bias(name: str) -> torch.Tensor | None:
+        b = ref_tensors.get(f"{name}.bias")
+        return None if b is None else b.to(dev)
+
     groups = _fused_groups(packed_model)
     group_of = {m: grp for grp in groups for m in grp[1]}
     held: dict[str, torch.Tensor | None] = {}  # reference weights of fused members, until their group is checked
@@ -155,7 +160,8 @@ def check_projections(packed_model, ref_tensors: dict[str, torch.Tensor], cfg: V
         if w is None:
             rows.append({"name": name, "passed": False, "problem": "not in the quant checkpoint"})
         else:
-            rows.append(_check_product(name, mod, w, cfg, gen, act_dtype, tol, fused=False))
+            rows.append(_check_product(name, mod, w, ref_bias(name), cfg, gen, act_dtype, tol,
+                                       fused=False))
         grp = group_of.get(name)
         if grp is None:
             continue
@@ -166,7 +172,10 @@ def check_projections(packed_model, ref_tensors: dict[str, torch.Tensor], cfg: V
             if any(x is None for x in ws):
                 rows.append({"name": gname, "fused": True, "passed": False, "problem": "not in the quant checkpoint"})
             else:
-                rows.append(_check_product(gname, fmod, torch.cat(ws), cfg, gen, act_dtype, tol, fused=True))
+                bs = [ref_bias(m) for m in members]
+                bias = None if all(b is None for b in bs) else torch.cat(
+                    [b if b is not None else torch.zeros(x.shape[0], device=dev) for b, x in zip(bs, ws)])
+                rows.append(_check_product(gname, fmod, torch.cat(ws), bias, cfg, gen, act_dtype, tol, fused=True))
     return rows
 
 
@@ -199,9 +208,10 @@ def check_model(packed_model, ref_model, tokenizer, cfg: VerifyConfig) -> dict:
         with torch.no_grad():
             a = packed_model(ids).logits.float()
             b = ref_model(ids).logits.float()
-        finite &= bool(torch.isfinite(a).all())
+        finite &= bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
         d = (a - b).abs()
-        maxabs = max(maxabs, float(d.max()))
+        dmax = float(d.max())
+        maxabs = max(maxabs, dmax if dmax == dmax else float("inf"))  # (a NaN difference is not dropped)
         sumabs += float(d.sum())
         count += d.numel()
         ref_scale += float(b.abs().sum())
