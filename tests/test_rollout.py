@@ -188,7 +188,7 @@ def test_kernel_runs_need_a_verify_of_the_kernel(pipeline, tmp_path, monkeypatch
     ("The total is $1,080.00", "1080"), ("so the answer is\n#### 72", "72"),
     (r"we get \boxed{\frac{1}{2}}", "1/2"), ("It weighs 12 kg in total.", "12"), ("I do not know", None),
     ("#### -3.50", "-7/2"), ("so 9-2 = 7, and 7-2", "2"), (r"\boxed{x = 5}", "5"), ("the change is -4", "-4"),
-    ("x=-5", "-5"), ("a loss of (-12)", "-12"), ("#### 1,000", "1000"),
+    ("x=-5", "-5"), ("a loss of (-12)", "-12"), ("#### 1,000", "1000"), ("So 12 - 5", "5"),
 ])
 def test_answer_extraction(text, expected):
     got = tasks.extract_answer(text)
