@@ -120,3 +120,25 @@ def test_a_packed_bias_the_checkpoint_lacks_fails(tiny_pipeline, tmp_path, monke
     assert report["passed"] is False and proj["passed"] is False
     (bad,) = [r for r in proj["layers"] if not r["passed"]]
     assert bad["name"] == target and bad["max_rel_error"] > 1e-2
+
+
+def test_round_trip_compares_every_other_tensor(tiny_pipeline):
+    """(review, session 27) check 3 compared only codes and scales; embeddings, norms, biases and lm_head were
+    left to check 2's loose bf16 bounds. Now each is the checkpoint's byte for byte, and the pack holds no more."""
+    from qerl_cli.pack import load_checkpoint
+    from qerl_cli.packed_model import packed_index
+
+    p = artifact.open_artifact(tiny_pipeline["packed"], names.KIND_PACKED)
+    q = artifact.open_artifact(tiny_pipeline["quant"], names.KIND_QUANT)
+    ref, packed, index = load_checkpoint(q), p.read_tensors(names.MODEL_WEIGHTS), packed_index(p)
+    ok = verify.check_round_trip(packed, index, ref, True)
+    assert ok["passed"] and ok["other_tensors_checked"] >= 2 * 2 + 2  # two norms a layer, the final norm, embed
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    for change, problem in ((lambda d: d.__setitem__(norm, d[norm] * (1 + 2 ** -6)), f"{norm}: differs"),
+                            (lambda d: d.__setitem__(norm, d[norm].double()), f"{norm}: differs"),
+                            (lambda d: d.pop(norm), f"{norm}: missing"),
+                            (lambda d: d.__setitem__("extra.weight", torch.zeros(2)), "does not, e.g. extra.weight")):
+        bad = dict(packed)
+        change(bad)
+        rt = verify.check_round_trip(bad, index, ref, True)
+        assert rt["passed"] is False and any(problem in x for x in rt["problems"]), rt["problems"]

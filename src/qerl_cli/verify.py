@@ -263,8 +263,22 @@ def check_round_trip(packed_tensors: dict[str, torch.Tensor], index: dict, ref_t
         checked += 1
     if not checked:
         problems.append("no packed linear was checked")
-    return {"linears_checked": checked, "problems": problems[:20], "n_problems": len(problems),
-            "passed": not problems}
+    # every other tensor (embeddings, norms, biases, lm_head) is the checkpoint's, byte for byte, and nothing else
+    quant_keys = {f"{n}.{s}" for n in ref_names for s in (names.CT_PACKED, names.CT_SCALE, names.CT_GLOBAL)}
+    packed_keys = {f"{n}.{s}" for n in index["linears"] for s in (names.PK_QWEIGHT, names.PK_GLOBAL)}
+    others = sorted(set(ref_tensors) - quant_keys)
+    for key in others:
+        t = packed_tensors.get(key)
+        if t is None:
+            problems.append(f"{key}: missing from the pack")
+        elif t.dtype != ref_tensors[key].dtype or t.shape != ref_tensors[key].shape or not torch.equal(
+                t.reshape(-1).view(torch.uint8), ref_tensors[key].reshape(-1).view(torch.uint8)):
+            problems.append(f"{key}: differs from the checkpoint's")
+    extra = sorted(set(packed_tensors) - packed_keys - set(others))
+    if extra:
+        problems.append(f"the pack holds tensors the checkpoint does not, e.g. {extra[0]}")
+    return {"linears_checked": checked, "other_tensors_checked": len(others), "problems": problems[:20],
+            "n_problems": len(problems), "passed": not problems}
 
 
 def print_report(report: dict) -> None:
