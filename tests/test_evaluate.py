@@ -360,3 +360,15 @@ def test_eval_of_repeated_prompts_clusters_them(packed, tmp_path):
     assert rep["evals"][0]["ci95"] == list(ci)
     pair = rep["paired"][0]
     assert pair["distinct_prompts"] == s["distinct_prompts"] and "mcnemar_exact_p" not in pair
+
+
+def test_aqn_at_evaluation_is_applied_and_recorded(packed, tmp_path):
+    kw = dict(num_examples=4, max_new_tokens=8, progress=False)
+    clean = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "clean", **kw)
+    noisy = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "noisy", sigma=2.0, seed=3, **kw)
+
+    def completions(a):
+        return [json.loads(x)["samples"][0]["completion"] for x in a.file(names.EVAL_EXAMPLES).read_text().splitlines()]
+
+    assert completions(clean) != completions(noisy)  # the noise reached the policy that generates
+    assert json.loads(noisy.file(names.EVAL_SUMMARY).read_text())["policy"]["aqn"] == {"sigma": 2.0, "seed": 3}
