@@ -118,8 +118,11 @@ def build_extension(name: str, filename: str, timeline: bool = False):
     """JIT-build (cached) and load the torch extension ``name`` from ``csrc/<filename>`` for this machine's
     arch flags; raises with the reason when CUDA, the source or the build is missing. ``timeline``: the probe
     build (``name`` + ``_tl``, ``-DQERL_TIMELINE``: per-CTA timestamps, benchmarks/probe_timeline.py)."""
-    if os.environ.get("QERL_DISABLE_KERNEL"):
+    if os.environ.get("QERL_DISABLE_KERNEL", "0") not in ("", "0"):
         raise RuntimeError("QERL_DISABLE_KERNEL is set")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        cc = ".".join(map(str, torch.cuda.get_device_capability()))
+        raise RuntimeError(f"the GPU's compute capability {cc} is below 8.0 (the kernel needs sm_80 or newer)")
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
     src = _source(filename)
@@ -142,9 +145,12 @@ def build_extension(name: str, filename: str, timeline: bool = False):
 
 
 def error_line(e: Exception) -> str:
-    """One line saying why a build or load failed."""
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[-1] if msg else ''}"[:300]
+    """One line saying why a build or load failed: the compiler's first error line where the message holds one
+    (torch's "Error building extension ..." text ends in ninja's "build stopped", which says nothing), else the
+    last line."""
+    msg = [m.strip() for m in str(e).strip().splitlines() if m.strip()]
+    errors = [m for m in msg[1:] if "error" in m.lower() and not m.lower().startswith("ninja: build stopped")]
+    return f"{type(e).__name__}: {errors[0] if errors else msg[-1] if msg else ''}"[:300]
 
 
 def _warn_once(reason: str) -> None:

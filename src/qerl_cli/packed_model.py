@@ -48,18 +48,22 @@ class PackedLinear(torch.nn.Module):
         if backend is not None:  # the bias is added in the kernel's epilogue (same rounding as `y + bias`)
             return backend.linear(x, self.qweight, self.global_scale, self.out_features, self.in_features,
                                   bias=self.bias)
-        # CPU (tests, CI): the pure-torch reference, with the dequantized weight cached after first use —
-        # exactly the reference's values, computed once instead of per call.
-        if self._dense is None or self._dense.dtype != x.dtype:
-            self._dense = self.dequantized_weight(torch.float32).to(x.dtype)
-        y = (x @ self._dense.t()) if x.dtype == torch.float32 else (x.float() @ self._dense.float().t()).to(x.dtype)
+        # CPU (tests, CI): the pure-torch reference, with the dequantized fp32 weight cached after first use —
+        # exactly the reference's values (an fp32 product, rounded once to x's dtype), computed once, not per call.
+        if self._dense is None:
+            self._dense = self.dequantized_weight(torch.float32)
+        y = (x @ self._dense.t()) if x.dtype == torch.float32 else (x.float() @ self._dense.t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
 
     def _apply(self, fn, recurse=True):  # .to()/.cuda() invalidate the CPU cache
         self._dense = None
-        return super()._apply(fn, recurse)
+        gs = self.global_scale
+        out = super()._apply(fn, recurse)
+        if self.global_scale.dtype != torch.float32:  # a dtype cast (model.to(bf16)): the scale stays exact fp32
+            self.global_scale = gs.to(self.global_scale.device)
+        return out
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return layout.dequantize(self.qweight, self.global_scale, self.out_features, self.in_features, dtype)
