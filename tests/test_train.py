@@ -620,3 +620,34 @@ def test_too_many_new_tokens_is_refused_before_anything_is_written(tiny_pipeline
     with pytest.raises(QerlError, match="more than the model's max_position_embeddings"):
         train.train(tiny_pipeline["packed"], run, **(TINY | {"max_new_tokens": 100_000}), overrides=OVR)
     assert not run.exists()
+
+
+def test_step_passes_every_objective_option_through(tiny_pipeline, tmp_path, reward, monkeypatch):
+    """(review, session 27) The grpo functions are checked by hand values, but eps_high, mask_truncated,
+    loss_aggregation, adv_scale/adv_eps and the overlong penalty could be dropped on the way from the config to
+    them with every test passing: record what one step hands them, with every option off its default."""
+    from qerl_cli import grpo
+
+    seen: dict[str, list] = {}
+
+    def spy(name):
+        real = getattr(grpo, name)
+
+        def wrapped(*a, **k):
+            seen.setdefault(name, []).append(a)
+            if name == "loss_mask":  # (the tiny model's completions all run to the limit: keep their tokens)
+                a = (*a[:2], False)
+            return real(*a, **k)
+        monkeypatch.setattr(grpo, name, wrapped)
+
+    for name in ("clipped_surrogate", "loss_mask", "group_advantages", "overlong_penalty", "denominator"):
+        spy(name)
+    ovr = OVR | {"eps_low": 0.15, "eps_high": 0.35, "mask_truncated": True, "loss_aggregation": "sequence",
+                 "adv_scale": "batch", "adv_eps": 1e-3, "overlong_buffer": 3, "overlong_penalty": 0.7}
+    train.train(tiny_pipeline["packed"], tmp_path / "run", **(TINY | {"steps": 1, "save_every": 1, "sigma_stages": 1}),
+                overrides=ovr)
+    assert seen["overlong_penalty"] and all(a[1:] == (6, 3, 0.7) for a in seen["overlong_penalty"])
+    assert seen["loss_mask"] and all(a[2] is True for a in seen["loss_mask"])
+    assert seen["denominator"] and all(a[1] == "sequence" for a in seen["denominator"])
+    assert seen["group_advantages"] and all(a[1:4] == (4, "batch", 1e-3) for a in seen["group_advantages"])
+    assert seen["clipped_surrogate"] and all(a[4:7] == (0.15, 0.35, "sequence") for a in seen["clipped_surrogate"])

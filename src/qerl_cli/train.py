@@ -74,6 +74,10 @@ NOISE_SEEDS_DEFINITION = ("noise_seeds in metrics.jsonl: one per engine call of 
                           "f'{seed}:noise:{step - 1}:{round}:{first prompt position}').digest()[:8], 'little') >> 1 "
                           "(step as logged, counting from 1; empty when sigma = 0)")
 
+SAMPLING_SEEDS_DEFINITION = ("each engine call's sampling seed: int.from_bytes(sha256(f'{seed}:sample:{step - 1}:"
+                             "{round}:{first prompt position}').digest()[:8], 'little') >> 1 (step as logged, "
+                             "counting from 1)")
+
 
 @dataclass
 class TrainConfig:
@@ -922,7 +926,7 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
                                 "objective": {"clean": "training forward without noise (deployment policy)",
                                               "replay": "training forward redraws the rollout's noise"}[cfg.objective],
                                 "noise_seeds": NOISE_SEEDS_DEFINITION,
-                                "sampling_seeds": "sha256(seed:sample:step:round:first prompt position of the call)"},
+                                "sampling_seeds": SAMPLING_SEEDS_DEFINITION},
                 "started": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             })
     dist.barrier()
