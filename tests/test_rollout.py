@@ -176,6 +176,8 @@ def test_kernel_runs_need_a_verify_of_the_kernel(pipeline, tmp_path, monkeypatch
         return {"passed": True}
 
     artifact.run_stage(names.KIND_VERIFY, v, {"backend": "cuda-kernel"}, [packed.as_input(v)], body)
+    # a verify of the kernel does not need to ask whether the kernel builds (a cache hit builds nothing)
+    monkeypatch.setattr(qverify, "backend_name", lambda device: pytest.fail("asked for the kernel"))
     assert rollout.require_verified(packed, v, "cuda")
     monkeypatch.setenv("QERL_ENGINE_FUSED_SAMPLER", "0")
     assert rollout.require_verified(packed, v, "cuda")

@@ -82,11 +82,13 @@ def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None, d
 
     if not verify_passed(v):
         raise QerlError(f"{packed.path} failed verification ({cand}); fix the pack before sampling from it.")
-    if backend_name(device) == "cuda-kernel":
+    if str(device).startswith("cuda"):  # (asks whether the kernel builds only when the verify did not run it)
         hint = (f"run `qerl verify {packed.path} -o DIR` on this GPU with this run's environment and pass "
                 "--verify DIR, or pass --skip-verify")
         if (ran := verify_backend(v)) != "cuda-kernel":
-            raise QerlError(f"{cand} checked the pack with the {ran}, not the CUDA kernel this run uses; {hint}.")
+            if backend_name(device) == "cuda-kernel":
+                raise QerlError(f"{cand} checked the pack with the {ran}, not the CUDA kernel this run uses; {hint}.")
+            return v
         then, now = config.kernel_env(v.config.get("result_env", {})), config.kernel_env()
         if then != now:
             raise QerlError(f"{cand} verified the CUDA kernel under other kernel switches "
