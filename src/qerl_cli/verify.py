@@ -303,7 +303,8 @@ def print_report(report: dict) -> None:
               f"top-1 {m['top1_agreement']:.4f} ({m['criterion']})")
     r = report["checks"]["3_round_trip"]
     t.add_row("3", "round trip", _mark(r["passed"]),
-              f"{r['linears_checked']} linears" + (f"; {r['problems'][0]}" if r["problems"] else ", bit-exact"))
+              f"{r['linears_checked']} linears + {r.get('other_tensors_checked', 0)} other tensors"
+              + (f"; {r['problems'][0]}" if r["problems"] else ", bit-exact"))
     ui.out.print(t)
     ui.out.print(f"verify: {'[green]PASSED[/]' if report['passed'] else '[bold red]FAILED[/]'}")
 
