@@ -364,18 +364,23 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
     return art
 
 
-def verify_backend(v: artifact.Artifact) -> str:
-    """What computed the packed products a verify artifact checked, from its (hashed) report."""
+def _verify_report(v: artifact.Artifact) -> dict:
+    """A verify artifact's report (a hashed file: ``open_artifact`` checked it; the manifest's metrics are not
+    covered by its digest)."""
     try:
-        return str(json.loads(v.file(names.VERIFY_REPORT).read_text()).get("backend", "an unrecorded backend"))
-    except (OSError, ValueError, AttributeError) as e:
+        report = json.loads(v.file(names.VERIFY_REPORT).read_text())
+        if not isinstance(report, dict):
+            raise ValueError("not a JSON object")
+        return report
+    except (OSError, ValueError) as e:
         raise QerlError(f"{v.path}: its {names.VERIFY_REPORT} cannot be read ({e}); rerun verify with --force.") from None
+
+
+def verify_backend(v: artifact.Artifact) -> str:
+    """What computed the packed products a verify artifact checked, from its report."""
+    return str(_verify_report(v).get("backend", "an unrecorded backend"))
 
 
 def verify_passed(v: artifact.Artifact) -> bool:
-    """The verdict of a verify artifact, from its report (a hashed file: ``open_artifact`` checked it), not from
-    the manifest's metrics, which its digest does not cover."""
-    try:
-        return json.loads(v.file(names.VERIFY_REPORT).read_text()).get("passed") is True
-    except (OSError, ValueError, AttributeError) as e:
-        raise QerlError(f"{v.path}: its {names.VERIFY_REPORT} cannot be read ({e}); rerun verify with --force.") from None
+    """The verdict of a verify artifact, from its report, not from the manifest's metrics."""
+    return _verify_report(v).get("passed") is True
