@@ -89,6 +89,20 @@ def test_lineage_chain(tiny_pipeline):
         assert conf["eos_token_id"] == tok.eos_token_id == 2
 
 
+def test_same_weights_by_another_path_give_the_same_artifact(tiny_pipeline, tmp_path):
+    """config.json holds no ``_name_or_path``: the same model named by another path (a copy, another venv) gives
+    the same files, so the same digest, and a pack made from either is the same artifact."""
+    from qerl_cli.quantize import quantize
+
+    copy = shutil.copytree(tiny_pipeline["model"], tmp_path / "elsewhere" / "model")
+    quantize(str(copy), tmp_path / "quant", progress=False)
+    assert "_name_or_path" not in json.loads((tmp_path / "quant" / "config.json").read_text())
+    a = artifact.open_artifact(tiny_pipeline["quant"], "quant")
+    b = artifact.open_artifact(tmp_path / "quant", "quant")
+    assert {f["path"]: f["sha256"] for f in a.manifest["files"]} == {f["path"]: f["sha256"] for f in b.manifest["files"]}
+    assert a.digest == b.digest
+
+
 # ------------------------------------------------------------------------------------- the quant format
 
 

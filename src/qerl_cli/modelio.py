@@ -158,9 +158,12 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implement
 
 
 def config_dict(model) -> dict:
-    """The model config as written to ``config.json`` (no quantization marker, dtype bf16)."""
+    """The model config as written to ``config.json`` (no quantization marker, dtype bf16, and no
+    ``_name_or_path``: the path the model was given by is not part of what an artifact holds, so the same weights
+    named by another path give the same files and digests)."""
     d = model.config.to_dict()
     d.pop("quantization_config", None)
+    d.pop("_name_or_path", None)
     d["dtype"] = "bfloat16"
     d.pop("torch_dtype", None)
     return d
