@@ -164,6 +164,25 @@ def test_damaged_adapter_and_scalar_json_data_are_one_sentence(tmp_path):
             data.load_records(str(f))
 
 
+def test_broken_json_files_and_malformed_chat_rows_are_one_sentence(tmp_path, smollm2_tokenizer):
+    """An invalid .json file, a chat row whose messages are missing, a string or lack content, and a null field
+    were tracebacks (JSONDecodeError, TypeError, jinja's UndefinedError) or the text "None"."""
+    from qerl_cli import data
+
+    f = tmp_path / "rows.json"
+    f.write_text('[{"text": "a"},')
+    with pytest.raises(QerlError, match="is not valid JSON"):
+        data.load_records(str(f))
+    for row in ({"text": "x"}, {"messages": "hello"}, {"messages": []}, {"messages": [{"role": "user"}]},
+                {"messages": [{"role": "user", "content": None}]}, {"messages": ["hi"]}):
+        with pytest.raises(QerlError, match="non-empty 'messages' list"):
+            data.row_text(row, ["messages"], smollm2_tokenizer)
+    ok = {"messages": [{"role": "user", "content": "2+2?"}]}
+    assert "2+2?" in data.row_text(ok, ["messages"], smollm2_tokenizer)
+    with pytest.raises(QerlError, match="field 'prompt' is null"):
+        data.row_text({"prompt": None}, ["prompt"])
+
+
 def test_stop_after_below_one_and_null_fields_are_refused(tmp_path):
     with pytest.raises(QerlError, match="--stop-after must be at least 1"):
         train.train("unused-model", tmp_path / "run", stop_after=0)

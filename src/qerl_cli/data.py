@@ -59,7 +59,10 @@ def _load_local(p: Path) -> Records:
                         except ValueError:
                             raise QerlError(f"{p} line {i + 1} is not valid JSON.") from None
         elif suffix == ".json":
-            data = json.loads(p.read_text(encoding="utf-8-sig"))
+            try:
+                data = json.loads(p.read_text(encoding="utf-8-sig"))
+            except ValueError as e:
+                raise QerlError(f"{p} is not valid JSON ({e}).") from None
             rows = data if isinstance(data, list) else data.get("data", data.get("rows")) if isinstance(data, dict) \
                 else None
             if not isinstance(rows, list):
@@ -69,7 +72,10 @@ def _load_local(p: Path) -> Records:
                 import pyarrow.parquet as pq
             except ImportError:
                 raise QerlError("reading parquet needs pyarrow: pip install pyarrow") from None
-            rows = pq.read_table(p).to_pylist()
+            try:
+                rows = pq.read_table(p).to_pylist()
+            except Exception as e:  # pyarrow raises several types (ArrowInvalid, OSError) for a bad file
+                raise QerlError(f"{p} is not a readable parquet file ({str(e).splitlines()[0]}).") from None
         else:
             text = p.read_text(encoding="utf-8-sig")
             rows = [{"text": t} for t in text.split("\n\n") if t.strip()]
@@ -86,10 +92,20 @@ def row_text(row: dict, fields: list[str], tokenizer=None) -> str:
     if fields == ["messages"] or (isinstance(msgs, list) and fields == ["text"] and "text" not in row):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise QerlError("chat-shaped data needs a model with a chat template.")
-        return tokenizer.apply_chat_template(msgs, tokenize=False)
+        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                       and isinstance(m.get("content"), str) for m in msgs)):
+            raise QerlError("chat-shaped rows need a non-empty 'messages' list of {\"role\": str, \"content\": str} "
+                            f"objects; a row holds {str(msgs)[:80]!r}.")
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False)
+        except Exception as e:  # jinja raises its own types for what a template refuses (e.g. the role order)
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise QerlError(f"the chat template cannot render a row ({why}).") from None
     parts = []
     for f in fields:
         if f not in row:
             raise QerlError(f"field '{f}' is not in the data (fields: {sorted(row)[:8]}).")
+        if row[f] is None:
+            raise QerlError(f"field '{f}' is null in a row of the data.")
         parts.append(str(row[f]))
     return "\n".join(parts)
