@@ -125,9 +125,10 @@ def test_rollout_bad_inputs(pipeline, tmp_path):
     _cli_fails(str(pipeline / "packed"), "--prompts", "arith:2", "-G", "0", "-o", str(out), match="group", out=out)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    _cli_fails(str(pipeline / "packed"), "--prompts", str(empty), "-o", str(out), match="no", out=out)
-    _cli_fails(str(pipeline / "packed"), "--prompts", "arith:2", "--max-new-tokens", "100000", "-o", str(out),
-               match="max_position_embeddings", out=out)
+    _cli_fails(str(pipeline / "packed"), "--prompts", str(empty), "-o", str(out), match="empty.jsonl holds no problems.", out=out)
+    for eng in ("ours", "hf"):  # (hf generate ran past the model's positions without a word)
+        _cli_fails(str(pipeline / "packed"), "--prompts", "arith:2", "--max-new-tokens", "100000", "--engine", eng,
+                   "-o", str(out), match="max_position_embeddings", out=out)
     ad = tmp_path / "adapter"
     ad.mkdir()
     (ad / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
@@ -382,10 +383,17 @@ def test_hf_noise_record_names_the_dtype_the_draw_ran_in(pipeline):
 
 
 def test_hf_engine_greedy_records_zero(pipeline, tmp_path):
-    greedy = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "g", group=1, max_new_tokens=4,
+    # G = 2 when greedy (transformers refuses num_return_sequences > 1 then: was a traceback): each prompt's two
+    # completions are the same, and the same as our engine's greedy ones on the same weights
+    greedy = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "g", group=2, max_new_tokens=4,
                              temperature=0.0, engine="hf", progress=False)
     t = load_file(str(greedy.file(names.ROLLOUT_TENSORS)))
     assert (t["behaviour_logprobs"] == 0).all() and (t["tempered_logprobs"] == 0).all()  # as the engine records
+    assert t["completion_ids"].shape[0] == 4 and t["completion_mask"].any(1).all()
+    assert torch.equal(t["completion_ids"][0::2], t["completion_ids"][1::2])
+    ours = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "o", group=2, max_new_tokens=4,
+                           temperature=0.0, progress=False)
+    assert torch.equal(load_file(str(ours.file(names.ROLLOUT_TENSORS)))["completion_ids"], t["completion_ids"])
     sm = json.loads(greedy.file(names.ROLLOUT_META).read_text())["summary"]
     # HF generate does not time its prefill apart: not measured (was 0.0), and its decode_s holds it
     assert sm["prefill_s"] is None and sm["decode_s_includes_prefill"] is True and sm["decode_s"] > 0

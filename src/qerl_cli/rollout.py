@@ -14,7 +14,7 @@ from rich.table import Table
 from safetensors.torch import save_file
 
 from . import artifact, config, kernel, modelio, names, tasks, ui
-from .engine import SEED_LIMIT, Engine, RolloutBatch, SamplingConfig
+from .engine import SEED_LIMIT, Engine, RolloutBatch, SamplingConfig, check_positions
 from .errors import QerlError
 
 LOGPROB_DEFINITION = ("behaviour_logprobs: log-prob of each sampled token under the distribution it was sampled "
@@ -228,6 +228,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     vllm_engine = (vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
                    if cfg.engine == "vllm" else None)
     model = load_model()
+    check_positions(model.config, max(map(len, prompt_ids)), cfg.max_new_tokens)  # (every engine, not only ours)
     if lora is not None:
         fit_lora(lora, model, adapter)
 
@@ -341,7 +342,9 @@ def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[in
     kw = {"do_sample": cfg.temperature > 0}
     if cfg.temperature > 0:
         kw |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}  # (top_k 0: off)
-    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, num_return_sequences=cfg.group,
+    # each prompt G times, one sequence each: what num_return_sequences=G does inside generate, which refuses it
+    # when greedy (T = 0)
+    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, num_return_sequences=1,
                                eos_token_id=sorted(eos), pad_token_id=pad, output_scores=True, output_logits=True,
                                return_dict_in_generate=True, **kw)
     per_group = eng.effective_norm_weights()[0]["input_layernorm"].dim() == 3
@@ -355,7 +358,8 @@ def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[in
             torch.manual_seed(seed)
             for ci, chunk in enumerate(chunks):
                 with hf_policy(model, eng, row=ci * cfg.group if per_group else None):
-                    parts.append(_hf_chunk(model, chunk, gen_cfg, cfg.temperature, eos, pad, dev))
+                    parts.append(_hf_chunk(model, [p for p in chunk for _ in range(cfg.group)], gen_cfg,
+                                           cfg.temperature, eos, pad, dev))
     finally:
         model.generation_config = own_cfg
     dt = time.perf_counter() - t0
