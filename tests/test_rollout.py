@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import SHARED_DATA, random_adapter, run_cli
 from qerl_cli import artifact, names, packed_model, rollout, tasks
-from qerl_cli.engine import Engine
+from qerl_cli.engine import Engine, derive_seed
 from qerl_cli.errors import QerlError
 
 
@@ -342,7 +342,7 @@ def _teacher_forced(pipeline, art, sigma, seed, scope, adapter, temperature):
     prompts = [row[len(row) - int(n):].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"])]
     model, tok, _, _ = rollout.load_policy(pipeline / "packed", "cpu")
     eng = Engine(model, "cpu")
-    eng.set_noise(sigma, seed * 1_000_003, scope, len(prompts), 2)
+    eng.set_noise(sigma, derive_seed(seed, "noise", 0), scope, len(prompts), 2)
     eng.set_adapter(load_lora(adapter, model) if adapter is not None else None)
     with torch.no_grad():
         tf = eng.sequence_logprobs(prompts, t["completion_ids"], t["completion_mask"], temperature, 2, group=2)
@@ -400,7 +400,7 @@ def test_hf_engine_greedy_records_zero(pipeline, tmp_path):
 
 
 def test_hf_engine_seeds_each_batch(pipeline, tmp_path):
-    # one prompt per batch, the same prompt twice: each batch has its own seed (seed + batch index)
+    # one prompt per batch, the same prompt twice: each batch has its own seed (derived from seed and batch index)
     f = tmp_path / "same.jsonl"
     f.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n" +
                  json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n")
@@ -431,3 +431,27 @@ def test_hf_policy_restores_the_clean_model(pipeline, tmp_path):
         assert (noisy - plain).abs().max() > 1e-2
         assert torch.equal(model(ids).logits, plain)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_seed_changes_the_samples_not_the_questions(pipeline, tmp_path):
+    """--seed seeds sampling and noise only: arith prompts come from prompt_seed (they changed with --seed, so
+    runs at two seeds compared different questions). Each batch's sampling and noise seeds are derived apart
+    (they were both ``batch`` at seed 0: one CPU generator stream for the draw and the sampler), recorded."""
+    conf = tmp_path / "ro.toml"
+    conf.write_text("batch_prompts = 2\n")
+    kw = dict(group=2, max_new_tokens=4, sigma=0.01, config_file=conf, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:3", tmp_path / "a", seed=0, **kw)
+    b = rollout.rollout(pipeline / "packed", "arith:3", tmp_path / "b", seed=1, **kw)
+    c = rollout.rollout(pipeline / "packed", "arith:3", tmp_path / "c", seed=0, prompt_seed=1, **kw)
+
+    def questions(art):
+        return [json.loads(l)["prompt_text"] for l in art.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
+
+    assert questions(a) == questions(b) != questions(c)
+    meta = json.loads(a.file(names.ROLLOUT_META).read_text())
+    assert [n["seed"] for n in meta["noise"]] == [derive_seed(0, "noise", 0), derive_seed(0, "noise", 1)]
+    assert "sha256(f'{seed}:sample:{b}')" in meta["seeds"] and "prompt_seed" in meta["seeds"]
+    seeds = {derive_seed(s, p, i) for s in (0, 1) for p in ("noise", "sample") for i in (0, 1)}
+    assert len(seeds) == 8  # (no two streams of a run, nor of neighbouring run seeds, coincide)
+    ta, tb = (load_file(str(x.file(names.ROLLOUT_TENSORS))) for x in (a, b))
+    assert not torch.equal(ta["behaviour_logprobs"], tb["behaviour_logprobs"])

@@ -55,9 +55,18 @@ LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
 
 MIN_TEMPERATURE = 1e-4  # the smallest temperature > 0 sampled (below it, logits / T overflow fp32 into NaN)
-# the largest seed + 1 a rollout or evaluation takes: its per-batch noise seeds (seed * 1,000,003 + batch) stay
-# within 64 bits
+# the largest seed + 1 a rollout or evaluation takes (any 2**40 seeds would do: each call's seeds are derived)
 SEED_LIMIT = 2**40
+
+
+def derive_seed(*parts) -> int:
+    """A seed in [0, 2**63) from ``parts``: int.from_bytes(sha256(':'.join(map(str, parts))).digest()[:8],
+    'little') >> 1. Each engine call's sampling and noise seeds come from (run seed, purpose, position), so streams
+    of different purposes (a noise draw and a sampler on one CPU generator type), batches or run seeds never
+    coincide, as ``seed + batch`` and ``seed * 1,000,003 + batch`` did at seed 0 and between neighbouring seeds."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
 def check_positions(model_config, longest_prompt: int, max_new_tokens: int) -> None:

@@ -17,10 +17,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import artifact, config, names, stats, tasks, ui
-from .engine import SEED_LIMIT, Engine, SamplingConfig
+from .engine import SEED_LIMIT, Engine, SamplingConfig, derive_seed
 from .errors import QerlError
 from .modelio import fix_tokenizer
-from .rollout import eos_ids, resolve_policy
+from .rollout import BATCH_SEEDS_DEFINITION, eos_ids, resolve_policy
 
 
 @dataclass
@@ -107,7 +107,8 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
                      "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                      "samples": cfg.samples, "sampling_seed": cfg.seed if cfg.temperature > 0 else None,
                      "batch_prompts": cfg.batch_prompts,  # (each batch's seed and noise draw follow from it)
-                     "aqn": {"sigma": cfg.sigma, "seed": cfg.seed if cfg.sigma > 0 else None}}
+                     "aqn": {"sigma": cfg.sigma, "seed": cfg.seed if cfg.sigma > 0 else None},
+                     "seeds": BATCH_SEEDS_DEFINITION}
 
     scoring = tasks.verifier()  # the answer checker that ran (results differ between checkers)
     run_config = config.as_dict(cfg) | {"verifier": scoring} | config.result_env()
@@ -126,9 +127,9 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         starts = list(range(0, len(problems), cfg.batch_prompts))
         for bi, s in enumerate(ui.track(starts, "evaluating", enabled=cfg.progress)):
             chunk = problems[s: s + cfg.batch_prompts]
-            eng.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi)
+            eng.set_noise(cfg.sigma, derive_seed(cfg.seed, "noise", bi))
             b = eng.generate([tasks.chat_prompt(tok, p.question) for p in chunk], cfg.samples, sampling,
-                             cfg.seed + bi, eos, tok.pad_token_id)
+                             derive_seed(cfg.seed, "sample", bi), eos, tok.pad_token_id)
             gen_tokens += b.timings["generated_tokens"]
             wall += (b.timings["prefill_s"] or 0.0) + b.timings["decode_s"]  # (None: inside decode_s)
             for i, p in enumerate(chunk):

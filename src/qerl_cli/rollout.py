@@ -14,12 +14,17 @@ from rich.table import Table
 from safetensors.torch import save_file
 
 from . import artifact, config, kernel, modelio, names, tasks, ui
-from .engine import SEED_LIMIT, Engine, RolloutBatch, SamplingConfig, check_positions
+from .engine import SEED_LIMIT, Engine, RolloutBatch, SamplingConfig, check_positions, derive_seed
 from .errors import QerlError
 
 LOGPROB_DEFINITION = ("behaviour_logprobs: log-prob of each sampled token under the distribution it was sampled "
                       "from = softmax(logits / temperature) truncated by top-k then top-p and renormalized; "
                       "tempered_logprobs: under the untruncated softmax(logits / temperature); greedy (T=0): 0")
+BATCH_SEEDS_DEFINITION = ("batch b (prompts [b * batch_prompts, (b + 1) * batch_prompts)) samples with seed "
+                          "int.from_bytes(sha256(f'{seed}:sample:{b}').digest()[:8], 'little') >> 1 and draws its AQN "
+                          "noise with seed int.from_bytes(sha256(f'{seed}:noise:{b}').digest()[:8], 'little') >> 1")
+SEEDS_DEFINITION = (BATCH_SEEDS_DEFINITION + " (recorded in noise[b].seed); generated prompts (arith:N) come from "
+                    "prompt_seed, not seed")
 
 
 @dataclass
@@ -32,6 +37,7 @@ class RolloutConfig:
     sigma: float
     noise_scope: str
     seed: int
+    prompt_seed: int
     num_prompts: int
     batch_prompts: int
     format_reward: float
@@ -46,8 +52,8 @@ class RolloutConfig:
             problems.append("group (G) must be >= 1")
         if not 0 <= self.sigma < float("inf"):  # (also refuses nan)
             problems.append("sigma must be a finite number >= 0")
-        if not 0 <= self.seed < SEED_LIMIT:
-            problems.append(f"seed must be in [0, {SEED_LIMIT}) (2**40)")
+        if not 0 <= self.seed < SEED_LIMIT or not 0 <= self.prompt_seed < SEED_LIMIT:
+            problems.append(f"seed and prompt_seed must be in [0, {SEED_LIMIT}) (2**40)")
         if self.noise_scope not in ("batch", "group"):
             problems.append("noise_scope must be 'batch' or 'group'")
         if self.num_prompts < 0 or self.batch_prompts < 1:
@@ -182,16 +188,16 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
             max_new_tokens: int | None = None, adapter: str | Path | None = None, sigma: float | None = None,
             seed: int | None = None, temperature: float | None = None, top_p: float | None = None,
             top_k: int | None = None, num_prompts: int | None = None, noise_scope: str | None = None,
-            engine: str = "ours", verify_dir: str | Path | None = None, skip_verify: bool = False,
-            config_file: str | Path | None = None, force: bool = False, progress: bool = True,
-            device: str | None = None) -> artifact.Artifact:
+            prompt_seed: int | None = None, engine: str = "ours", verify_dir: str | Path | None = None,
+            skip_verify: bool = False, config_file: str | Path | None = None, force: bool = False,
+            progress: bool = True, device: str | None = None) -> artifact.Artifact:
     """Sample ``group`` completions per prompt; record tokens, masks, behaviour log-probs, rewards, noise."""
     output = Path(output)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = config.load("rollout", RolloutConfig, config_file, {
         "group": group, "max_new_tokens": max_new_tokens, "sigma": sigma, "seed": seed, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "num_prompts": num_prompts, "noise_scope": noise_scope,
-        "progress": progress, "engine": engine, "device": device})
+        "prompt_seed": prompt_seed, "progress": progress, "engine": engine, "device": device})
     quant_inputs = []
     if cfg.engine == "vllm":
         from . import vllm_backend
@@ -203,7 +209,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
             raise QerlError("--engine vllm needs a packed artifact made from a quant checkpoint.")
     tok, input_arts, info, load_model = resolve_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
     modelio.fix_tokenizer(tok)
-    texts, problems = load_prompts(prompts, cfg.seed, cfg.num_prompts, tok)
+    texts, problems = load_prompts(prompts, cfg.prompt_seed, cfg.num_prompts, tok)
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
@@ -240,17 +246,18 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         starts = list(range(0, len(prompt_ids), cfg.batch_prompts))
         for bi, s in enumerate(ui.track(starts, "sampling", enabled=cfg.progress)):
             chunk = prompt_ids[s: s + cfg.batch_prompts]
-            ns = eng.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi, cfg.noise_scope, len(chunk), cfg.group)
+            nseed, sseed = derive_seed(cfg.seed, "noise", bi), derive_seed(cfg.seed, "sample", bi)
+            ns = eng.set_noise(cfg.sigma, nseed, cfg.noise_scope, len(chunk), cfg.group)
             noise_states.append(noise_record(ns, cfg.engine, model) | {"batch": bi, "prompts": [s, s + len(chunk)]})
             if vllm_engine is not None:
-                ns = vllm_engine.set_noise(cfg.sigma, cfg.seed * 1_000_003 + bi)
+                ns = vllm_engine.set_noise(cfg.sigma, nseed)
                 noise_states[-1] = ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]}
-                b = vllm_engine.generate(chunk, cfg.group, cfg.sampling(), cfg.seed + bi,
+                b = vllm_engine.generate(chunk, cfg.group, cfg.sampling(), sseed,
                                          str(adapter) if adapter else None, tok.pad_token_id)
             elif cfg.engine == "hf":
-                b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id, cfg.seed + bi, eng)
+                b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id, sseed, eng)
             else:
-                b = eng.generate(chunk, cfg.group, cfg.sampling(), cfg.seed + bi, eos, tok.pad_token_id)
+                b = eng.generate(chunk, cfg.group, cfg.sampling(), sseed, eos, tok.pad_token_id)
             sub = problems[s: s + len(chunk)] if problems is not None else None
             for row in score_batch(b, tok, sub, cfg.format_reward):
                 row["prompt"] += s
@@ -272,7 +279,8 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
                                   "decode_attention": eng.decode_attention() if cfg.engine == "ours" else cfg.engine,
                                   # (which NVFP4 kernel, grid and split-K reduction our engine's products ran on)
                                   "nvfp4_kernel": kernel.settings() if cfg.engine == "ours" else cfg.engine},
-                "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION, "verifier": scoring,
+                "sampling": cfg.sampling().__dict__, "logprobs": LOGPROB_DEFINITION, "seeds": SEEDS_DEFINITION,
+                "verifier": scoring,
                 "noise": noise_states, "summary": summary}
         (tmp / names.ROLLOUT_META).write_text(json.dumps(meta, indent=1) + "\n")
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0

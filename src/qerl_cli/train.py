@@ -42,7 +42,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import math
 import os
@@ -59,7 +58,7 @@ from rich.markup import escape
 from safetensors.torch import load_file, save_file
 
 from . import artifact, config, grpo, lora, modelio, names, rollout, stats, tasks, ui
-from .engine import Engine, SamplingConfig, check_positions
+from .engine import Engine, SamplingConfig, check_positions, derive_seed
 from .errors import QerlError
 
 NONDETERMINISTIC_METRICS = ("time_", "tokens_per_s", "peak_")
@@ -217,8 +216,6 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _derive_seed(*parts) -> int:
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
 def check_diverged(adapter_norm: float, step: int, lr: float) -> None:
@@ -547,11 +544,11 @@ class Trainer:
             new: list[Group] = []
             for c in range(0, len(shard), cfg.batch_prompts):
                 chunk = shard[c: c + cfg.batch_prompts]
-                nseed = _derive_seed(cfg.seed, "noise", step, rnd, base + c)
+                nseed = derive_seed(cfg.seed, "noise", step, rnd, base + c)
                 self.engine.set_noise(sigma, nseed, cfg.noise_scope, len(chunk), cfg.group)
                 with self.autocast():
                     b = self.engine.generate([self.prompt_ids[i] for i in chunk], cfg.group, cfg.sampling(),
-                                             _derive_seed(cfg.seed, "sample", step, rnd, base + c), self.eos, self.pad)
+                                             derive_seed(cfg.seed, "sample", step, rnd, base + c), self.eos, self.pad)
                 rows = rollout.score_batch(b, self.tok, [self.problems[i] for i in chunk], cfg.format_reward)
                 rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
                 rewards += grpo.overlong_penalty(b.lengths(), cfg.max_new_tokens, cfg.overlong_buffer,
@@ -585,7 +582,7 @@ class Trainer:
         them: round by round, then by the call's first prompt position."""
         per_rank = self.cfg.prompts_per_step // self.dist.world
         starts = [k * per_rank + c for k in range(self.dist.world) for c in range(0, per_rank, self.cfg.batch_prompts)]
-        return [_derive_seed(self.cfg.seed, "noise", step, rnd, p) for rnd in range(rounds) for p in starts]
+        return [derive_seed(self.cfg.seed, "noise", step, rnd, p) for rnd in range(rounds) for p in starts]
 
     # ---------------------------------------------------------------- training forward
     def logprobs(self, part: list[Group], sigma: float) -> torch.Tensor:
@@ -643,7 +640,7 @@ class Trainer:
             idx = list(range(c, min(c + chunk, n)))
             with self.autocast(), torch.no_grad():
                 b = self.engine.generate([self.heldout_ids[i] for i in idx], 1, cfg.eval_sampling(),
-                                         _derive_seed(cfg.seed, "heldout", c), self.eos, self.pad)
+                                         derive_seed(cfg.seed, "heldout", c), self.eos, self.pad)
             rows = rollout.score_batch(b, self.tok, [self.heldout[i] for i in idx], 0.0)
             counts["n"] += len(rows)
             counts["correct"] += sum(r["status"] == tasks.CORRECT for r in rows)
