@@ -33,3 +33,36 @@ def test_bench_kernel_refuses_unknown_tiled_configuration():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernel.py"), "--tiled-cfgs", "4,9"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--tiled-cfgs takes configurations 1-7, got '4,9'" in r.stderr, r.stderr
+
+
+def test_main_job_makefile_remakes_what_a_changed_setting_touches(tmp_path):
+    """examples/smollm2 (make demo): a rerun does nothing; a changed setting remakes its stage and those after it
+    with --force (they were "Nothing to be done", and a forced remake would have been refused); an interrupted
+    train run is resumed (it failed with "holds an unfinished run")."""
+    fake = tmp_path / "qerl"
+    log = tmp_path / "calls"
+    fake.write_text(f"""#!/usr/bin/env bash
+o=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && o="$a"; prev="$a"; done
+echo "$1 $(basename "$o") $*" >> {log}
+mkdir -p "$o" && touch "$o/manifest.json"
+""")
+    fake.chmod(0o755)
+
+    def make(*settings: str) -> list[str]:
+        log.write_text("")
+        subprocess.run(["make", "-s", "-C", str(ROOT / "examples" / "smollm2"), f"QERL={fake}",
+                        f"OUT={tmp_path / 'out'}", *settings], check=True, capture_output=True, text=True)
+        return log.read_text().splitlines()
+
+    first = make()
+    assert [c.split()[0] for c in first] == ["calibrate", "quantize", "pack", "verify", "train", "evaluate"]
+    assert first[4].endswith("--resume") and "--steps 2" in first[4]
+    assert make() == []
+    assert [c.split()[0] for c in make("SAMPLES=64")] == ["calibrate", "quantize", "pack", "verify", "train",
+                                                          "evaluate"]
+    assert all(c.endswith("--force") for c in make("SAMPLES=64", "STEPS=3"))
+    (tmp_path / "out" / "run" / "manifest.json").unlink()  # an interrupted run
+    again = make("SAMPLES=64", "STEPS=3")
+    assert [c.split()[0] for c in again] == ["train", "evaluate"] and again[0].endswith("--resume")
+    assert make("SAMPLES=64", "STEPS=3") == []
