@@ -80,3 +80,97 @@ def test_unsupported_adapters_are_one_clear_error(base, tmp_path, conf, match):
     with pytest.raises(QerlError, match=match) as e:
         load_lora(tmp_path / "ad", base)
     assert "does not apply" in str(e.value) and str(e.value).count(". ") == 0  # one sentence
+
+
+def _folded(base, kv_heads: int, seed: int = 0):
+    """A copy of a Llama like ``base`` (``kv_heads`` KV heads: 4 = no GQA, so v -> o folds too) and that copy
+    folded with random AWQ factors for every group its layers support (the float function unchanged), the
+    factors attached as an AWQ pack attaches them."""
+    from transformers import LlamaForCausalLM
+
+    from qerl_cli import calibrate
+
+    conf = copy.deepcopy(base.config)
+    conf.num_key_value_heads = kv_heads
+    torch.manual_seed(seed)
+    plain = LlamaForCausalLM(conf).eval()
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    folded = copy.deepcopy(plain)
+    g = torch.Generator().manual_seed(seed + 1)
+    folds = {}
+    for i, layer in enumerate(calibrate.decoder_layers(folded)):
+        for grp in calibrate.active_groups(layer):
+            s = torch.rand(layer.get_submodule(grp.linears[0]).in_features, generator=g) * 3 + 0.25
+            calibrate.fold_group(layer, grp, s)
+            folds[f"model.layers.{i}.{grp.prev}"] = s
+    folded.qerl_folding = folds
+    return plain, folded
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_an_adapter_means_the_same_policy_on_an_awq_folded_model(base, tmp_path, kv_heads):
+    """An adapter file holds the source model's coordinates; fitted to an AWQ-folded model (whose q/k/v, gate/up,
+    o and down inputs are divided by s and whose v and up outputs are) it is folded, so the folded model with it
+    computes what the source model with it does. Before, the factors were applied unchanged: another policy."""
+    plain, folded = _folded(base, kv_heads)
+    assert any(k.endswith("v_proj") for k in folded.qerl_folding) == (kv_heads == 4)
+    assert any(k.endswith("up_proj") for k in folded.qerl_folding)
+    _save(plain, tmp_path / "ad", r=4, lora_alpha=8, target_modules=PROJ)
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3], [4, 4, 80, 2, 99, 250]])
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    key = torch.ones_like(ids, dtype=torch.bool)
+    out = {}
+    for tag, m in (("plain", plain), ("folded", folded)):
+        eng = Engine(copy.deepcopy(m))
+        with torch.no_grad():
+            out[tag + "0"] = eng.forward(ids, pos, key)
+            lora = load_lora(tmp_path / "ad", m)
+            eng.set_adapter(lora)
+            out[tag] = eng.forward(ids, pos, key)
+    assert (out["plain0"] - out["folded0"]).abs().max() < 1e-4  # (the folds keep the function)
+    effect = (out["plain"] - out["plain0"]).abs().max()
+    assert effect > 0.1
+    assert (out["folded"] - out["plain"]).abs().max() < 1e-4 * effect
+    # fitting the same LoRA again (to either model) starts from the file's factors, never folds twice
+    from qerl_cli.adapter import fit_lora
+
+    fit_lora(lora, folded, "ad")
+    fit_lora(lora, plain, "ad")
+    fresh = load_lora(tmp_path / "ad", plain)
+    assert all(torch.equal(lora.factors[n][i], fresh.factors[n][i]) for n in fresh.factors for i in (0, 1))
+
+
+def test_training_on_an_awq_folded_model_saves_source_coordinates_and_resumes_exactly(base, tmp_path):
+    """save_adapter unfolds what trained on a folded model (the file loads onto the source model as the same
+    policy, PEFT's way included); load_adapter_weights folds it back, and with the exact factors a checkpoint
+    keeps, bit for bit."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    from qerl_cli import lora as lora_mod
+
+    plain, folded = _folded(base, 4)
+    pm = lora_mod.wrap(copy.deepcopy(folded), 4, 8)
+    pm.get_base_model().qerl_folding = folded.qerl_folding
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    lora_mod.save_adapter(pm, tmp_path / "ad")
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        trained = pm(ids).logits
+        peft_plain = PeftModel.from_pretrained(copy.deepcopy(plain), str(tmp_path / "ad")).eval()(ids).logits
+        untouched = plain(ids).logits
+    assert (trained - untouched).abs().max() > 0.1
+    assert (peft_plain - trained).abs().max() < 1e-4 * (trained - untouched).abs().max()
+    sd = {k: v.clone() for k, v in get_peft_model_state_dict(pm).items()}
+    pm2 = lora_mod.wrap(copy.deepcopy(folded), 4, 8, seed=5)
+    pm2.get_base_model().qerl_folding = folded.qerl_folding
+    lora_mod.load_adapter_weights(pm2, tmp_path / "ad")
+    got = get_peft_model_state_dict(pm2)
+    assert all(torch.allclose(got[k], sd[k], rtol=1e-6, atol=1e-7) for k in sd)
+    lora_mod.load_adapter_weights(pm2, tmp_path / "ad", exact=sd)
+    assert all(torch.equal(get_peft_model_state_dict(pm2)[k], sd[k]) for k in sd)

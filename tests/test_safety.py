@@ -130,9 +130,12 @@ def test_nan_and_inf_options_are_refused():
     with pytest.raises(ValueError, match="temperature must be 0 .greedy. or at least"):
         SamplingConfig(temperature=1e-39)
     SamplingConfig(temperature=1e-4)
-    from qerl_cli import config, evaluate, rollout
+    from qerl_cli import calibrate, config, evaluate, rollout, verify
 
-    for kind, cls in (("rollout", rollout.RolloutConfig), ("evaluate", evaluate.EvaluateConfig)):
+    # (session 28) calibrate, train and verify had no bound: a huge seed was an overflow traceback there too
+    for kind, cls in (("rollout", rollout.RolloutConfig), ("evaluate", evaluate.EvaluateConfig),
+                      ("calibrate", calibrate.CalibrateConfig), ("train", train.TrainConfig),
+                      ("verify", verify.VerifyConfig)):
         for seed in (-1, 2**40, 20_000_000_000_000):
             with pytest.raises(QerlError, match=r"seed must be in \[0, "):
                 config.load(kind, cls, None, {"seed": seed})
@@ -224,3 +227,12 @@ def test_utf8_files_with_a_byte_order_mark_read_like_without(tmp_path, suffix, p
     assert bom.read_bytes().startswith(b"\xef\xbb\xbf")
     assert data.load_records(str(bom)).rows == data.load_records(str(plain)).rows
     assert len(data.load_records(str(bom)).rows) == 2
+
+
+def test_a_run_config_that_is_not_an_object_is_one_sentence_on_resume(tmp_path):
+    """A train_config.json holding a JSON list was an AttributeError traceback with --resume."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / names.RUN_CONFIG).write_text("[1, 2]\n")
+    with pytest.raises(QerlError, match="holds an unfinished run with a different config"):
+        train._prepare_output(out, "sha256:" + "0" * 64, resume=True, force=False)

@@ -344,3 +344,17 @@ def test_pack_of_another_layout_version_is_refused(tiny_pipeline, tmp_path, monk
                           "-o", str(tmp_path / "v")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 1 and "uses packed layout" in res.stdout + res.stderr, (res.stdout, res.stderr)
     assert not (tmp_path / "v").exists()
+
+
+def test_verify_against_a_checkpoint_of_another_shape_is_one_sentence(tiny_pipeline, tmp_path, smollm2_tokenizer):
+    """A quant of another model (hidden 32, not 64) was a traceback in the first matmul; nothing is written."""
+    from conftest import build_tiny_llama
+    from qerl_cli.errors import QerlError
+    from qerl_cli.quantize import quantize
+    from qerl_cli.verify import verify
+
+    other = build_tiny_llama(tmp_path / "small", smollm2_tokenizer, hidden=32, intermediate=64)
+    q = quantize(str(other), tmp_path / "quant-small", progress=False)
+    with pytest.raises(QerlError, match=r"is a checkpoint of another model than .* \(the shape of model\.layers\.0\."):
+        verify(tiny_pipeline["packed"], tmp_path / "verify", against=q.path, progress=False, device="cpu")
+    assert not (tmp_path / "verify").exists()

@@ -8,6 +8,13 @@ matching key in the file's order wins; ``scaling = alpha / r`` per module, ``alp
 copies of other modules (``lm_head``, ``embed_tokens``, ``modules_to_save``), trainable tokens — is refused
 with one sentence naming it, never silently dropped. The adapter's digest covers its weights file and the
 per-module scalings its config gives.
+
+**Coordinates.** An adapter file holds its factors in the source (unfolded) model's coordinates, whatever base
+it was trained on: it loads onto the bf16 model with ``PeftModel.from_pretrained``, onto a round-to-nearest pack
+and onto an AWQ pack alike, and means the same policy on each. An AWQ pack's layers compute in folded
+coordinates (a group's producer divided by ``s``, its consumers' input columns multiplied by ``s``), so on such
+a model :func:`fit_lora` folds the factors (:func:`fold_factors`: ``A * s_in`` for a projection whose input is
+folded, ``B / s_out`` for v and up, whose outputs are), and ``lora.save_adapter`` unfolds what was trained there.
 """
 
 from __future__ import annotations
@@ -66,6 +73,44 @@ def _unsupported_options(conf: dict) -> list[str]:
     return found
 
 
+# per projection: the folded module whose factor s scales its input (the group it consumes), and for v and up
+# (producers of the o and down groups) the one whose s divides its outputs; keys of an artifact's folding file
+_IN_FOLD = {"self_attn.q_proj": "input_layernorm", "self_attn.k_proj": "input_layernorm",
+            "self_attn.v_proj": "input_layernorm", "self_attn.o_proj": "self_attn.v_proj",
+            "mlp.gate_proj": "post_attention_layernorm", "mlp.up_proj": "post_attention_layernorm",
+            "mlp.down_proj": "mlp.up_proj"}
+_OUT_FOLD = {"self_attn.v_proj": "self_attn.v_proj", "mlp.up_proj": "mlp.up_proj"}
+
+
+def model_folding(model) -> dict[str, torch.Tensor]:
+    """The AWQ folding factors of ``model`` (module name -> s; empty for an unfolded model)."""
+    return getattr(model, "qerl_folding", None) or {}
+
+
+def fold_factors(factors: dict[str, tuple[torch.Tensor, torch.Tensor]], folds: dict[str, torch.Tensor],
+                 to_model: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """LoRA factors (name -> (A [r, in], B [out, r])) from the source model's coordinates into those of a model
+    folded by ``folds`` (``to_model``), or back. ``B A x`` on the folded input ``x / s_in`` equals ``B (A / s_in)
+    x``, and a folded producer's output is the source's divided by ``s_out``: so ``A_model = A_source * s_in``
+    (columns) and ``B_model = B_source / s_out`` (rows). Names without a fold pass unchanged (every name when
+    ``folds`` is empty); factors keep their dtype."""
+    if not folds:
+        return factors
+    out = {}
+    for name, (a, b) in factors.items():
+        m = _PROJECTION.search(name)  # (a PEFT key's prefix, e.g. base_model.model., is not in the folds' names)
+        if m is not None and m.end() == len(name):
+            layer = name[m.start(): m.start(1)]  # "model.layers.N."
+            s_in, s_out = folds.get(layer + _IN_FOLD[m.group(1)]), folds.get(layer + _OUT_FOLD.get(m.group(1), "-"))
+            if s_in is not None:
+                a = (a.float() * s_in.to(a.device) if to_model else a.float() / s_in.to(a.device)).to(a.dtype)
+            if s_out is not None:
+                b = (b.float() / s_out.to(b.device)[:, None] if to_model
+                     else b.float() * s_out.to(b.device)[:, None]).to(b.dtype)
+        out[name] = (a, b)
+    return out
+
+
 def load_lora(path: str | Path, model) -> LoRA:
     """Read a PEFT LoRA adapter and check it fits ``model`` (module names and shapes); one clear error for
     anything our engine would not apply exactly. ``model`` None: every check but the fit (``fit_lora`` later: a
@@ -76,7 +121,7 @@ def load_lora(path: str | Path, model) -> LoRA:
     try:
         conf = json.loads((path / ADAPTER_CONFIG).read_text())
         r = int(conf.get("r", 0))
-        alpha = float(conf.get("lora_alpha", r))
+        alpha = float(conf.get("lora_alpha", 8))  # (peft's LoraConfig default, whatever r is)
         rank_pattern = {str(k): int(v) for k, v in (conf.get("rank_pattern") or {}).items()}
         alpha_pattern = {str(k): float(v) for k, v in (conf.get("alpha_pattern") or {}).items()}
         rslora = bool(conf.get("use_rslora"))
@@ -157,7 +202,9 @@ def load_lora(path: str | Path, model) -> LoRA:
 
 
 def fit_lora(lora: LoRA, model, path: str | Path) -> None:
-    """One clear error unless every factor pair of ``lora`` (read from ``path``) fits a projection of ``model``."""
+    """One clear error unless every factor pair of ``lora`` (read from ``path``) fits a projection of ``model``;
+    then, on an AWQ-folded model, its factors are folded into the model's coordinates (in place; ``lora.source``
+    keeps the file's factors, so fitting it to another model starts from those)."""
     modules = dict(model.named_modules())
     for name, (a, b) in lora.factors.items():
         mod = modules.get(name)
@@ -168,3 +215,7 @@ def fit_lora(lora: LoRA, model, path: str | Path) -> None:
             raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; "
                             f"this model needs [{r_m}, {mod.in_features}] and [{mod.out_features}, {r_m}] "
                             "(an adapter for another model?).")
+    source = lora.source if lora.source is not None else lora.factors
+    folds = model_folding(model)
+    lora.factors = fold_factors(source, folds) if folds else source
+    lora.source = source if folds else None

@@ -52,6 +52,7 @@ class CalibrateConfig:
             problems.append("batch_size must be >= 1")
         if not self.field.strip():
             problems.append("field must name a column")
+        problems += config.seed_problems(seed=self.seed)
         try:
             self.awq_config()
         except ValueError as e:

@@ -122,6 +122,15 @@ def _coerce(stage: str, name: str, value: Any, typ: Any) -> Any:
     return value
 
 
+# the largest seed + 1 a stage takes (torch's generators take 64 bits; derived seeds hash the seed's text)
+SEED_LIMIT = 2**40
+
+
+def seed_problems(**seeds: int) -> list[str]:
+    """The problem sentence of each seed outside [0, SEED_LIMIT) (a huge one was an overflow traceback)."""
+    return [f"{k} must be in [0, {SEED_LIMIT}) (2**40)" for k, v in seeds.items() if not 0 <= v < SEED_LIMIT]
+
+
 def validate(problems: list[str]) -> None:
     """Raise one ValueError listing every problem (used by config ``__post_init__``)."""
     if problems:

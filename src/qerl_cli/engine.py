@@ -55,8 +55,6 @@ LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
 
 MIN_TEMPERATURE = 1e-4  # the smallest temperature > 0 sampled (below it, logits / T overflow fp32 into NaN)
-# the largest seed + 1 a rollout or evaluation takes (any 2**40 seeds would do: each call's seeds are derived)
-SEED_LIMIT = 2**40
 
 
 def derive_seed(*parts) -> int:
@@ -427,16 +425,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LoRA:
-    """LoRA factors per linear: ``y += scaling * (x @ A^T) @ B^T``; a plain container, swapped as a whole."""
+    """LoRA factors per linear: ``y += scaling * (x @ A^T) @ B^T``; a plain container, swapped as a whole.
+    ``source``: the factors as the adapter file holds them (the source model's coordinates) where ``factors``
+    were folded for an AWQ pack (``adapter.fit_lora``), else None."""
 
-    def __init__(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, digest: str = ""):
+    def __init__(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, digest: str = "",
+                 source: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.factors = factors
         self.scaling = scaling
         self.digest = digest
+        self.source = source
 
     def to(self, device, dtype) -> "LoRA":
         return LoRA({k: (a.to(device, dtype), b.to(device, dtype)) for k, (a, b) in self.factors.items()},
-                    self.scaling, self.digest)
+                    self.scaling, self.digest, self.source)
 
 
 class Engine:

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import artifact, config, names, stats, tasks, ui
-from .engine import SEED_LIMIT, Engine, SamplingConfig, derive_seed
+from .engine import Engine, SamplingConfig, derive_seed
 from .errors import QerlError
 from .modelio import fix_tokenizer
 from .rollout import BATCH_SEEDS_DEFINITION, eos_ids, resolve_policy
@@ -46,8 +46,7 @@ class EvaluateConfig:
             problems.append("k > 1 samples need temperature > 0 (greedy gives k identical answers)")
         if not 0 <= self.sigma < float("inf"):  # (also refuses nan)
             problems.append("sigma must be a finite number >= 0")
-        if not 0 <= self.seed < SEED_LIMIT:
-            problems.append(f"seed must be in [0, {SEED_LIMIT}) (2**40)")
+        problems += config.seed_problems(seed=self.seed)
         if self.num_examples < 0 or self.batch_prompts < 1:
             problems.append("num_examples must be >= 0 (0 = all) and batch_prompts >= 1")
         try:

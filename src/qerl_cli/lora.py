@@ -9,6 +9,8 @@ peft's default layer.
 
 Adapters are saved in PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``) and load onto the
 bf16 source model with ``PeftModel.from_pretrained`` or into our engine with :func:`qerl_cli.adapter.load_lora`.
+On an AWQ pack the factors train in the pack's folded coordinates; the file holds them in the source model's
+(:func:`save_adapter` unfolds, :func:`load_adapter_weights` folds back; ``adapter`` module doc).
 """
 
 from __future__ import annotations
@@ -102,21 +104,75 @@ def trainable(pm) -> list[tuple[str, torch.nn.Parameter]]:
     return sorted(((n, p) for n, p in pm.named_parameters() if p.requires_grad), key=lambda x: x[0])
 
 
+def _pairs(sd: dict[str, torch.Tensor]) -> dict[str, tuple[str, str]]:
+    """module key -> (its lora_A key, its lora_B key) in a PEFT adapter state dict."""
+    out: dict[str, list] = {}
+    for k in sd:
+        for i, tag in enumerate((".lora_A.weight", ".lora_B.weight")):
+            if k.endswith(tag):
+                out.setdefault(k[: -len(tag)], [None, None])[i] = k
+    return {m: (a, b) for m, (a, b) in out.items() if a is not None and b is not None}
+
+
+def refold(sd: dict[str, torch.Tensor], folds: dict[str, torch.Tensor], to_model: bool) -> dict[str, torch.Tensor]:
+    """A PEFT adapter state dict with its factors moved into (``to_model``) or out of a folded model's
+    coordinates (:func:`qerl_cli.adapter.fold_factors`); unchanged without folds."""
+    if not folds:
+        return sd
+    from .adapter import fold_factors
+
+    pairs = _pairs(sd)
+    moved = fold_factors({m: (sd[a], sd[b]) for m, (a, b) in pairs.items()}, folds, to_model)
+    out = dict(sd)
+    for m, (a, b) in pairs.items():
+        out[a], out[b] = (t.contiguous() for t in moved[m])
+    return out
+
+
+def write_folded_adapter(path: str | Path, folds: dict[str, torch.Tensor]) -> str:
+    """A copy of the adapter at ``path`` with its factors folded by ``folds`` (for a backend that runs the folded
+    checkpoint itself, e.g. vLLM), in a new temporary directory; the caller removes it."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from .adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    dest = Path(tempfile.mkdtemp(prefix="qerl-folded-adapter-"))
+    shutil.copyfile(Path(path) / ADAPTER_CONFIG, dest / ADAPTER_CONFIG)
+    save_file(refold(load_file(str(Path(path) / ADAPTER_WEIGHTS)), folds, to_model=True), str(dest / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    return str(dest)
+
+
 def save_adapter(pm, path: str | Path) -> None:
-    """Save the adapter in PEFT format (config + safetensors), without peft's model card."""
+    """Save the adapter in PEFT format (config + safetensors, the source model's coordinates), without peft's
+    model card."""
+    from safetensors.torch import load_file, save_file
+
+    from .adapter import ADAPTER_WEIGHTS, model_folding
+
     path = Path(path)
     pm.save_pretrained(str(path), safe_serialization=True)
     (path / "README.md").unlink(missing_ok=True)
+    folds = model_folding(pm.get_base_model())
+    if folds:
+        f = path / ADAPTER_WEIGHTS
+        save_file(refold(load_file(str(f)), folds, to_model=False), str(f), metadata={"format": "pt"})
 
 
-def load_adapter_weights(pm, path: str | Path) -> None:
-    """Load a saved adapter's factors into the wrapped model ``pm`` (exact values; resume)."""
+def load_adapter_weights(pm, path: str | Path, exact: dict[str, torch.Tensor] | None = None) -> None:
+    """Load a saved adapter's factors into the wrapped model ``pm`` (resume): folded into an AWQ pack's
+    coordinates, or, given ``exact`` (the state dict as trained, which a checkpoint keeps beside the unfolded file
+    on a folded model), those values bit for bit."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from .adapter import ADAPTER_WEIGHTS
+    from .adapter import ADAPTER_WEIGHTS, model_folding
 
-    sd = load_file(str(Path(path) / ADAPTER_WEIGHTS))
+    sd = exact if exact else refold(load_file(str(Path(path) / ADAPTER_WEIGHTS)), model_folding(pm.get_base_model()),
+                                    to_model=True)
     res = set_peft_model_state_dict(pm, sd)
     bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
     if bad:

@@ -146,11 +146,13 @@ def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device:
 
 
 def attach_norm_folding(model, art_dir: Path) -> None:
-    """Record on ``model`` (``qerl_norm_folding``: module name -> s) the AWQ factors its RMSNorm scales were
-    divided by, from an artifact's ``awq_folding.safetensors`` (absent for round-to-nearest): the rollout
-    engine defines AQN's sigma on the unfolded scales with them."""
+    """Record on ``model`` the AWQ factors of an artifact's ``awq_folding.safetensors`` (absent for
+    round-to-nearest; module name -> s): all of them (``qerl_folding``: LoRA adapters are folded into the model's
+    coordinates with them, ``adapter.fit_lora``) and those its RMSNorm scales were divided by
+    (``qerl_norm_folding``: the rollout engine defines AQN's sigma on the unfolded scales with them)."""
     path = Path(art_dir) / names.FOLDING
     folds = read_tensors_file(path, Path(art_dir)) if path.is_file() else {}
+    model.qerl_folding = {k: v.float() for k, v in folds.items()}
     model.qerl_norm_folding = {k: v.float() for k, v in folds.items() if k.rsplit(".", 1)[-1].endswith("layernorm")}
 
 

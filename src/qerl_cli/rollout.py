@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from rich.table import Table
 from safetensors.torch import save_file
 
 from . import artifact, config, kernel, modelio, names, tasks, ui
-from .engine import SEED_LIMIT, Engine, RolloutBatch, SamplingConfig, check_positions, derive_seed
+from .engine import Engine, RolloutBatch, SamplingConfig, check_positions, derive_seed
 from .errors import QerlError
 
 LOGPROB_DEFINITION = ("behaviour_logprobs: log-prob of each sampled token under the distribution it was sampled "
@@ -52,8 +53,7 @@ class RolloutConfig:
             problems.append("group (G) must be >= 1")
         if not 0 <= self.sigma < float("inf"):  # (also refuses nan)
             problems.append("sigma must be a finite number >= 0")
-        if not 0 <= self.seed < SEED_LIMIT or not 0 <= self.prompt_seed < SEED_LIMIT:
-            problems.append(f"seed and prompt_seed must be in [0, {SEED_LIMIT}) (2**40)")
+        problems += config.seed_problems(seed=self.seed, prompt_seed=self.prompt_seed)
         if self.noise_scope not in ("batch", "group"):
             problems.append("noise_scope must be 'batch' or 'group'")
         if self.num_prompts < 0 or self.batch_prompts < 1:
@@ -213,7 +213,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
-    from .adapter import fit_lora, load_lora
+    from .adapter import fit_lora, load_lora, model_folding
 
     lora = load_lora(adapter, None) if adapter is not None else None  # (fit to the model once it loads)
     lora_digest = lora.digest if lora is not None else None
@@ -237,6 +237,12 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     check_positions(model.config, max(map(len, prompt_ids)), cfg.max_new_tokens)  # (every engine, not only ours)
     if lora is not None:
         fit_lora(lora, model, adapter)
+    vllm_adapter = str(adapter) if adapter is not None else None
+    if vllm_engine is not None and adapter is not None and lora.source is not None:
+        # vLLM runs the AWQ-folded checkpoint: it gets a copy of the adapter folded into its coordinates
+        from .lora import write_folded_adapter
+
+        vllm_adapter = write_folded_adapter(adapter, model_folding(model))
 
     def body(tmp: Path) -> dict:
         eng = Engine(model, device, cuda_graph=cfg.cuda_graph)
@@ -252,8 +258,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
             if vllm_engine is not None:
                 ns = vllm_engine.set_noise(cfg.sigma, nseed)
                 noise_states[-1] = ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]}
-                b = vllm_engine.generate(chunk, cfg.group, cfg.sampling(), sseed,
-                                         str(adapter) if adapter else None, tok.pad_token_id)
+                b = vllm_engine.generate(chunk, cfg.group, cfg.sampling(), sseed, vllm_adapter, tok.pad_token_id)
             elif cfg.engine == "hf":
                 b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id, sseed, eng)
             else:
@@ -286,7 +291,11 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
         return summary | {"peak_cuda_allocated": peak}
 
-    art = artifact.run_stage(names.KIND_ROLLOUT, output, run_config, inputs, body, force=force)
+    try:
+        art = artifact.run_stage(names.KIND_ROLLOUT, output, run_config, inputs, body, force=force)
+    finally:
+        if vllm_adapter is not None and vllm_adapter != str(adapter):
+            shutil.rmtree(vllm_adapter, ignore_errors=True)
     _print(json.loads(art.file(names.ROLLOUT_META).read_text())["summary"], art.path)
     return art
 

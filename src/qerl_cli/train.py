@@ -58,6 +58,7 @@ from rich.markup import escape
 from safetensors.torch import load_file, save_file
 
 from . import artifact, config, grpo, lora, modelio, names, rollout, stats, tasks, ui
+from .adapter import model_folding
 from .engine import Engine, SamplingConfig, check_positions, derive_seed
 from .errors import QerlError
 
@@ -151,6 +152,7 @@ class TrainConfig:
             p.append(f"adv_scale must be one of {list(grpo.ADV_SCALES)}")
         if self.noise_scope not in ("batch", "group"):
             p.append("noise_scope must be 'batch' or 'group'")
+        p += config.seed_problems(seed=self.seed)
         if self.objective not in ("clean", "replay"):
             p.append("objective must be 'clean' or 'replay'")
         if not (0 < self.lr < math.inf and 0 <= self.eps_low < 1 and 0 <= self.eps_high < math.inf
@@ -376,7 +378,7 @@ def _prepare_output(out: Path, key: str, resume: bool, force: bool, replaced: _R
             return clear()
         try:
             old_key = json.loads(rc.read_text()).get(names.K_KEY)
-        except ValueError:
+        except (ValueError, AttributeError):  # (not JSON, or JSON that is not an object)
             old_key = None
         if not resume:
             raise QerlError(f"{out} holds an unfinished run; pass --resume to continue it or --force to start over.")
@@ -424,6 +426,10 @@ def _save_step(out: Path, step: int, pm, opt, cursor: int, world: int) -> Path:
     sd = opt.state_dict()
     tensors = {f"state.{i}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
                for i, st in sd["state"].items() for k, v in st.items()}
+    if model_folding(pm.get_base_model()):  # the factors as trained: the adapter file holds them unfolded, and a
+        from peft import get_peft_model_state_dict  # resume from that alone would differ by a rounding
+
+        tensors |= {f"param.{k}": v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(pm).items()}
     save_file(tensors, str(tmp / names.OPTIMIZER_STATE))
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -464,11 +470,13 @@ def _check_step(d: Path) -> None:
 def _load_step(d: Path, pm, opt) -> dict:
     """Restore checkpoint ``d`` (its hashes checked first) into ``pm`` and ``opt`` and the RNGs; its state."""
     _check_step(d)
-    lora.load_adapter_weights(pm, d)
     state = json.loads((d / names.TRAINER_STATE).read_text())
     flat = load_file(str(d / names.OPTIMIZER_STATE))
+    lora.load_adapter_weights(pm, d, exact={k[len("param."):]: v for k, v in flat.items() if k.startswith("param.")})
     st: dict[int, dict] = {}
     for k, v in flat.items():
+        if not k.startswith("state."):
+            continue
         _, i, name = k.split(".", 2)
         st.setdefault(int(i), {})[name] = v
     groups = []

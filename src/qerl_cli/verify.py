@@ -48,7 +48,7 @@ class VerifyConfig:
     device: str = "cpu"
 
     def __post_init__(self):
-        problems = []
+        problems = config.seed_problems(seed=self.seed)
         for f in ("batch_sizes", "batch_sizes_t"):
             if not getattr(self, f) or any(m < 1 for m in getattr(self, f)):
                 problems.append(f"{f} must be positive integers")
@@ -338,6 +338,14 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
         ref_tensors = load_checkpoint(q)
         packed_tensors = p.read_tensors(names.MODEL_WEIGHTS)
         index = packed_index(p)
+        # the projections run both models on the same inputs: a checkpoint whose linears have other shapes is of
+        # another model (a traceback in the first matmul before this), not a failed check (other linear sets are)
+        other = sorted(n for n in set(quant_linears(ref_tensors)) & set(index["linears"])
+                       if check_linear(ref_tensors, n) != (index["linears"][n]["out_features"],
+                                                           index["linears"][n]["in_features"]))
+        if other:
+            raise QerlError(f"{q.path} is a checkpoint of another model than {p.path} (the shape of {other[0]} "
+                            "differs); verify a pack against the quant checkpoint it was made from.")
         round_trip = check_round_trip(packed_tensors, index, ref_tensors, lineage_ok)
         act_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
         pmodel = load_packed_model(p, act_dtype, cfg.device, tensors=packed_tensors)
