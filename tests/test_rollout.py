@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,15 +177,42 @@ def test_kernel_runs_need_a_verify_of_the_kernel(pipeline, tmp_path, monkeypatch
         (tmp / names.VERIFY_REPORT).write_text(json.dumps({"passed": True, "backend": "cuda-kernel"}))
         return {"passed": True}
 
-    artifact.run_stage(names.KIND_VERIFY, v, {"backend": "cuda-kernel"}, [packed.as_input(v)], body)
+    from qerl_cli import kernel
+
+    build = {"sources": "0123", "arch_flags": ["-gencode=arch=compute_90a,code=sm_90a"],
+             "gpu": {"capability": "9.0", "sms": 132}}
+    monkeypatch.setattr(kernel, "build_identity", lambda: build)
+    artifact.run_stage(names.KIND_VERIFY, v, {"backend": "cuda-kernel", "kernel_build": build},
+                       [packed.as_input(v)], body)
     # a verify of the kernel does not need to ask whether the kernel builds (a cache hit builds nothing)
     monkeypatch.setattr(qverify, "backend_name", lambda device: pytest.fail("asked for the kernel"))
     assert rollout.require_verified(packed, v, "cuda")
     monkeypatch.setenv("QERL_ENGINE_FUSED_SAMPLER", "0")
     assert rollout.require_verified(packed, v, "cuda")
+    # (session 28) a verify of another build: changed kernel sources, or another GPU (its grids differ)
+    for other in ({**build, "sources": "4567"}, {**build, "gpu": {"capability": "9.0", "sms": 114}}):
+        monkeypatch.setattr(kernel, "build_identity", lambda: other)
+        with pytest.raises(QerlError, match="verified another build of the CUDA kernel"):
+            rollout.require_verified(packed, v, "cuda")
+    monkeypatch.setattr(kernel, "build_identity", lambda: build)
     monkeypatch.setenv("QERL_KERNEL_VARIANT", "v2")
     with pytest.raises(QerlError, match="other kernel switches"):
         rollout.require_verified(packed, v, "cuda")
+
+
+def test_the_kernel_build_identity_follows_every_cuda_source(tmp_path, monkeypatch):
+    """Editing any csrc/*.cu or *.cuh changes the identity a verify of the kernel records (and so its key)."""
+    from qerl_cli import kernel
+
+    csrc = shutil.copytree(Path(kernel.__file__).resolve().parents[2] / "csrc", tmp_path / "csrc")
+    monkeypatch.setenv("QERL_CSRC", str(csrc))
+    first = kernel.build_identity()
+    assert first["sources"] and first["arch_flags"]
+    for name in ("pdl.cuh", "fused_ops.cu"):
+        (csrc / name).write_text((csrc / name).read_text() + "\n// edited\n")
+        now = kernel.build_identity()
+        assert now["sources"] != first["sources"]
+        first = now
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -144,6 +144,23 @@ def build_extension(name: str, filename: str, timeline: bool = False):
                 extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
 
 
+def build_identity() -> dict:
+    """What a verify of the kernel checked, which a run on the kernel must still have (``rollout.require_verified``):
+    a digest of the CUDA sources the extensions build from (``csrc/*.cu``, ``*.cuh``), the arch flags, and the
+    GPU's compute capability and SM count (the per-shape grids and split-K sums follow from those). Builds
+    nothing."""
+    src = _source()
+    files = sorted(src.parent.glob("*.cu")) + sorted(src.parent.glob("*.cuh")) if src is not None else []
+    digest = hashlib.sha256(b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in files)).hexdigest()[:16] \
+        if files else None
+    arch = os.environ.get("QERL_KERNEL_ARCH_FLAGS")
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu = {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count}
+    return {"sources": digest, "arch_flags": arch.split() if arch else list(_DEFAULT_ARCH_FLAGS), "gpu": gpu}
+
+
 def error_line(e: Exception) -> str:
     """One line saying why a build or load failed: the compiler's first error line where the message holds one
     (torch's "Error building extension ..." text ends in ninja's "build stopped", which says nothing), else the

@@ -99,6 +99,13 @@ def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None, d
         if then != now:
             raise QerlError(f"{cand} verified the CUDA kernel under other kernel switches "
                             f"({then or 'none set'}) than this run's ({now or 'none set'}); {hint}.")
+        from . import kernel
+
+        then, now = v.config.get("kernel_build"), kernel.build_identity()
+        if then != now:
+            what = [k for k in now if (then or {}).get(k) != now[k]] if isinstance(then, dict) else ["the record"]
+            raise QerlError(f"{cand} verified another build of the CUDA kernel than this run's ({', '.join(what)} "
+                            f"differ: its sources, arch flags or GPU); {hint}.")
     return v
 
 

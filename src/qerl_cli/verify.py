@@ -331,6 +331,10 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
     lineage_ok = any(i.get(names.K_DIGEST) == q.digest for i in p.inputs)
     backend = backend_name(cfg.device)
     conf = config.as_dict(cfg) | {"backend": backend} | config.result_env()
+    if backend == "cuda-kernel":  # (in the key: a changed kernel source or another GPU is a new verify)
+        from . import kernel
+
+        conf["kernel_build"] = kernel.build_identity()
 
     def body(tmp: Path) -> dict:
         from transformers import AutoTokenizer
