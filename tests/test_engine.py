@@ -204,6 +204,48 @@ def test_noise_reaches_the_norms_that_generate(model):
     assert torch.equal(eng.final_norm, model.model.norm.weight)  # final norm excluded
 
 
+@pytest.mark.parametrize("scope", ["batch", "group"])
+def test_final_norm_noise_only_when_asked(model, scope):
+    """final_norm=True also perturbs model.norm's scale (drawn after the layers': their draws are the seed's
+    without it); the engine's logits equal a HF forward whose three norms hold the draw; behaviour log-probs
+    equal a teacher-forced forward under it (per group too); the model itself stays clean."""
+    kw = dict(scope=scope, groups=3, group_size=2) if scope == "group" else {}
+    eng = Engine(model)
+    eng.set_noise(0.1, 5, **kw)
+    layers = [{t: v.clone() for t, v in d.items()} for d in eng.effective_norm_weights()]
+    assert torch.equal(eng.effective_final_norm(), model.model.norm.weight) and not eng.noise.final_norm
+    ns = eng.set_noise(0.1, 5, final_norm=True, **kw)
+    assert ns.final_norm and ns.as_dict()["final_norm"] is True
+    assert all(torch.equal(a[t], b[t]) for a, b in zip(layers, eng.effective_norm_weights()) for t in a)
+    fw = eng.effective_final_norm()
+    dev = (fw.reshape(-1, fw.shape[-1])[0] - model.model.norm.weight).float()
+    assert 0.05 < float(dev.std()) < 0.15
+    if scope == "group":
+        assert fw.shape == (6, 1, 64) and torch.equal(fw[0], fw[1]) and not torch.equal(fw[1], fw[2])
+    else:
+        ids = torch.tensor([PROMPTS[0]])
+        key = torch.ones_like(ids, dtype=torch.bool)
+        pos = torch.arange(ids.shape[1])[None]
+        with torch.no_grad():
+            ours = eng.forward(ids, pos, key)
+            noisy = copy.deepcopy(model)
+            for layer, w in zip(noisy.model.layers, eng.effective_norm_weights()):
+                layer.input_layernorm.weight.copy_(w["input_layernorm"])
+                layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm"])
+            noisy.model.norm.weight.copy_(fw)
+            torch.testing.assert_close(ours, noisy(ids).logits, rtol=1e-4, atol=1e-4)
+            without = copy.deepcopy(noisy)
+            without.model.norm.weight.copy_(model.model.norm.weight)
+            assert (ours - without(ids).logits).abs().max() > 1e-2
+    b = eng.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=8), 3, {EOS}, PAD)
+    with torch.no_grad():
+        tf = eng.sequence_logprobs(b.prompt_ids, b.completion_ids, b.completion_mask, 1.0, PAD, group=2)
+    assert (tf - b.behaviour_logprobs)[b.completion_mask].abs().max() <= 1e-4
+    assert not torch.equal(model.model.norm.weight, fw.reshape(-1, fw.shape[-1])[0])
+    eng.set_noise(0.0, 5, final_norm=True)
+    assert torch.equal(eng.effective_final_norm(), eng.final_norm) and not eng.noise.final_norm
+
+
 def test_group_scope_shares_noise_within_groups(model):
     eng = Engine(model)
     eng.set_noise(0.05, 1, scope="group", groups=3, group_size=2)

@@ -361,7 +361,7 @@ def test_answer_checker_is_recorded_and_keyed(pipeline, tmp_path, monkeypatch):
     assert json.loads(b.file(names.ROLLOUT_META).read_text())["verifier"]["checker"]["name"] == "math-verify"
 
 
-def _teacher_forced(pipeline, art, sigma, seed, scope, adapter, temperature):
+def _teacher_forced(pipeline, art, sigma, seed, scope, adapter, temperature, final_norm=False):
     """The recorded completions' tempered log-probs under our engine with the given noise draw and adapter."""
     from qerl_cli.adapter import load_lora
     from qerl_cli.engine import Engine
@@ -370,23 +370,28 @@ def _teacher_forced(pipeline, art, sigma, seed, scope, adapter, temperature):
     prompts = [row[len(row) - int(n):].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"])]
     model, tok, _, _ = rollout.load_policy(pipeline / "packed", "cpu")
     eng = Engine(model, "cpu")
-    eng.set_noise(sigma, derive_seed(seed, "noise", 0), scope, len(prompts), 2)
+    eng.set_noise(sigma, derive_seed(seed, "noise", 0), scope, len(prompts), 2, final_norm)
     eng.set_adapter(load_lora(adapter, model) if adapter is not None else None)
     with torch.no_grad():
         tf = eng.sequence_logprobs(prompts, t["completion_ids"], t["completion_mask"], temperature, 2, group=2)
     return t, tf
 
 
-@pytest.mark.parametrize("scope", ["batch", "group"])
-def test_hf_engine_samples_the_declared_policy(pipeline, tmp_path, scope):
+@pytest.mark.parametrize("scope,final", [("batch", False), ("group", False), ("group", True)])
+def test_hf_engine_samples_the_declared_policy(pipeline, tmp_path, scope, final):
     """--engine hf applies the AQN draw the engine would use (on the model's own norm weights) and the adapter,
     and records log-probs as the engine does: the tempered ones are untruncated (equal to our engine's
     teacher-forced log-probs under that same noise and adapter), the behaviour ones those of the top-p
     truncated distribution actually sampled from."""
     ad = random_adapter(tmp_path / "ad")
     art = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "ro", group=2, max_new_tokens=6, sigma=0.05,
-                          seed=3, top_p=0.8, noise_scope=scope, adapter=ad, engine="hf", progress=False)
-    t, tf = _teacher_forced(pipeline, art, 0.05, 3, scope, ad, 1.0)
+                          seed=3, top_p=0.8, noise_scope=scope, adapter=ad, engine="hf", noise_final_norm=final,
+                          progress=False)
+    t, tf = _teacher_forced(pipeline, art, 0.05, 3, scope, ad, 1.0, final)
+    if final:  # (the final norm's draw is part of the policy hf generate ran: without it, another policy)
+        _, other = _teacher_forced(pipeline, art, 0.05, 3, scope, ad, 1.0)
+        m = t["completion_mask"]
+        assert (other[m] - tf[m]).abs().max() > 1e-3
     m = t["completion_mask"]
     assert m.sum() > 8 and (t["behaviour_logprobs"][~m] == 0).all() and (t["tempered_logprobs"][~m] == 0).all()
     assert torch.allclose(t["tempered_logprobs"][m], tf[m], atol=2e-4)
@@ -396,6 +401,7 @@ def test_hf_engine_samples_the_declared_policy(pipeline, tmp_path, scope):
     assert (t["behaviour_logprobs"][m] > t["tempered_logprobs"][m] + 1e-3).any()
     meta = json.loads(art.file(names.ROLLOUT_META).read_text())
     assert meta["noise"][0]["sigma"] == 0.05 and meta["policy"]["adapter_digest"] and not meta["policy"]["cuda_graph"]
+    assert meta["noise"][0]["final_norm"] is final
     assert meta["noise"][0]["dtype"] == "float32"  # (the CPU model's norm weights, where the draw ran)
 
 

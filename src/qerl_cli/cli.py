@@ -175,6 +175,7 @@ def rollout_cmd(
     adapter: Annotated[Optional[Path], typer.Option("--adapter", help="LoRA adapter directory (PEFT format).")] = None,
     sigma: Annotated[Optional[float], typer.Option("--sigma", help="AQN noise std on the RMSNorm scales (0 = off).")] = None,
     noise_scope: Annotated[Optional[str], typer.Option("--noise-scope", help="'batch' or 'group'.")] = None,
+    noise_final_norm: Annotated[Optional[bool], typer.Option("--noise-final-norm/--no-noise-final-norm", help="AQN on the final norm too (default: off, as in the paper).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling and noise seed.")] = None,
     prompt_seed: Annotated[Optional[int], typer.Option("--prompt-seed", help="Seed of generated prompts (arith:N); apart from --seed.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy.")] = None,
@@ -200,8 +201,8 @@ def rollout_cmd(
 
     rollout(source, prompts, output, group=group, max_new_tokens=max_new_tokens, adapter=adapter, sigma=sigma,
             seed=seed, temperature=temperature, top_p=top_p, top_k=top_k, num_prompts=num_prompts,
-            noise_scope=noise_scope, prompt_seed=prompt_seed, engine=engine, verify_dir=verify_dir,
-            skip_verify=skip_verify, config_file=config, force=force, progress=progress)
+            noise_scope=noise_scope, prompt_seed=prompt_seed, noise_final_norm=noise_final_norm, engine=engine,
+            verify_dir=verify_dir, skip_verify=skip_verify, config_file=config, force=force, progress=progress)
 
 
 @app.command("train", cls=_Stage)

@@ -110,6 +110,7 @@ class NoiseState:
     seed: int = 0
     scope: str = "batch"  # "batch": one draw for the whole batch; "group": one draw per prompt group
     targets: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    final_norm: bool = False  # the final norm (model.norm) too: off unless asked (drawn after every layer's)
     draws: int = 0  # how many draws this engine has made (each from the clean snapshot)
     # sigma is defined on the model's original (unfolded) norm scales: on an AWQ-folded model (scale w / s)
     # each draw is divided by s, so a given sigma perturbs the model function the same with or without AWQ
@@ -463,7 +464,7 @@ class Engine:
         self.qk_norm = [(layer.self_attn.q_norm.weight.detach(), layer.self_attn.k_norm.weight.detach())
                         for layer in self.layers] if hasattr(self.layers[0].self_attn, "q_norm") else None
         self.embed = model.model.embed_tokens
-        self.final_norm = model.model.norm.weight.detach()
+        self.final_norm = model.model.norm.weight.detach().clone()  # (clean: hf_policy writes draws into the model's)
         self.lm_head = model.lm_head
         self.rotary = model.model.rotary_emb
         self._rope_tab: torch.Tensor | None = None  # [P, 2, head_dim]: cos, sin of positions 0 ... P - 1 (_rope_table)
@@ -474,6 +475,7 @@ class Engine:
                               for i in range(len(self.layers))]
         self.noise = NoiseState()
         self._noisy: list[dict[str, torch.Tensor]] | None = None  # [H] or [R, 1, H] per layer and target
+        self._noisy_final: torch.Tensor | None = None  # the final norm's draw, where asked
         self.lora: LoRA | None = None
         self.use_graph = cuda_graph and self.device.type == "cuda" and not _reference_packed(model)
         # differentiable forwards without a cache recompute each layer in the backward pass
@@ -566,15 +568,19 @@ class Engine:
         self.lora = lora
         self._graph = None
 
-    def set_noise(self, sigma: float, seed: int, scope: str = "batch", groups: int = 1, group_size: int = 1) -> NoiseState:
+    def set_noise(self, sigma: float, seed: int, scope: str = "batch", groups: int = 1, group_size: int = 1,
+                  final_norm: bool = False) -> NoiseState:
         """Draw AQN noise from the clean snapshot (replacing any previous draw). ``scope='group'`` draws one
-        vector per prompt group; rows of a group share it."""
+        vector per prompt group; rows of a group share it. ``final_norm``: the final norm's scale too, drawn
+        after every layer's (so the layers' draws are those of the same seed without it)."""
         if sigma < 0 or not math.isfinite(sigma):
             raise QerlError(f"the noise sigma must be a finite number >= 0, got {sigma}.")
         if scope not in ("batch", "group"):
             raise QerlError(f"noise scope must be 'batch' or 'group', got '{scope}'.")
-        self.noise = NoiseState(sigma=sigma, seed=seed, scope=scope, draws=self.noise.draws + (sigma > 0))
+        self.noise = NoiseState(sigma=sigma, seed=seed, scope=scope, final_norm=bool(final_norm and sigma > 0),
+                                draws=self.noise.draws + (sigma > 0))
         self._graph = None
+        self._noisy_final = None
         if sigma == 0:
             self._noisy = None
             return self.noise
@@ -593,17 +599,29 @@ class Engine:
                 d[t] = v
             noisy.append(d)
         self._noisy = noisy
+        if final_norm:  # (no AWQ fold touches the final norm)
+            w = self.final_norm
+            z = torch.randn((groups,) + tuple(w.shape) if scope == "group" else tuple(w.shape), generator=g,
+                            dtype=torch.float32) * sigma
+            v = (w.float().cpu() + z).to(self.device)
+            self._noisy_final = v.repeat_interleave(group_size, dim=0).unsqueeze(1) if scope == "group" else v
         return self.noise
 
     def select_noise_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of a per-group draw (a training forward over a subset of the sampled groups)."""
         if self._noisy is not None and self.noise.scope == "group":
             self._noisy = [{t: v[rows] for t, v in d.items()} for d in self._noisy]
+            if self._noisy_final is not None:
+                self._noisy_final = self._noisy_final[rows]
             self._graph = None
 
     def effective_norm_weights(self) -> list[dict[str, torch.Tensor]]:
         """The norm scales the next forward uses (clean snapshot, or the current noisy draw)."""
         return self._noisy if self._noisy is not None else self.clean
+
+    def effective_final_norm(self) -> torch.Tensor:
+        """The final norm's scale the next forward uses (clean, or its draw where one was asked for)."""
+        return self._noisy_final if self._noisy_final is not None else self.final_norm
 
     # ---------------------------------------------------------------- forward
     def _linear(self, module, name: str, x: torch.Tensor, shrunk: torch.Tensor | None = None) -> torch.Tensor:
@@ -736,10 +754,13 @@ class Engine:
                                                  key_mask if dattn else None)
             else:
                 h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, qpos)
+        fw = self.effective_final_norm()
+        if rows is not None and fw.dim() == 3:
+            fw = fw[rows]
         if kernels:  # the last MLP output's residual add and the final norm in one fused kernel
-            h = _fk.add_norm(h, pending, self.final_norm, self.eps)[1]
+            h = _fk.add_norm(h, pending, fw, self.eps)[1]
         else:
-            h = _rms_norm(h if pending is None else h + pending, self.final_norm, self.eps)
+            h = _rms_norm(h if pending is None else h + pending, fw, self.eps)
         return h if hidden_only else self.lm_head(h)
 
     def _rope_table(self, n: int) -> None:

@@ -37,6 +37,7 @@ class RolloutConfig:
     top_k: int
     sigma: float
     noise_scope: str
+    noise_final_norm: bool
     seed: int
     prompt_seed: int
     num_prompts: int
@@ -62,6 +63,8 @@ class RolloutConfig:
             problems.append("engine must be 'ours', 'hf' or 'vllm'")
         if self.engine == "vllm" and self.noise_scope == "group" and self.sigma > 0:  # (review, session 19)
             problems.append("--engine vllm draws AQN noise per batch only: use noise_scope 'batch' with it")
+        if self.engine == "vllm" and self.noise_final_norm and self.sigma > 0:
+            problems.append("--engine vllm draws AQN noise on the decoder layers' norms only, not the final norm")
         try:
             self.sampling()
         except ValueError as e:
@@ -195,16 +198,17 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
             max_new_tokens: int | None = None, adapter: str | Path | None = None, sigma: float | None = None,
             seed: int | None = None, temperature: float | None = None, top_p: float | None = None,
             top_k: int | None = None, num_prompts: int | None = None, noise_scope: str | None = None,
-            prompt_seed: int | None = None, engine: str = "ours", verify_dir: str | Path | None = None,
-            skip_verify: bool = False, config_file: str | Path | None = None, force: bool = False,
-            progress: bool = True, device: str | None = None) -> artifact.Artifact:
+            prompt_seed: int | None = None, noise_final_norm: bool | None = None, engine: str = "ours",
+            verify_dir: str | Path | None = None, skip_verify: bool = False, config_file: str | Path | None = None,
+            force: bool = False, progress: bool = True, device: str | None = None) -> artifact.Artifact:
     """Sample ``group`` completions per prompt; record tokens, masks, behaviour log-probs, rewards, noise."""
     output = Path(output)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = config.load("rollout", RolloutConfig, config_file, {
         "group": group, "max_new_tokens": max_new_tokens, "sigma": sigma, "seed": seed, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "num_prompts": num_prompts, "noise_scope": noise_scope,
-        "prompt_seed": prompt_seed, "progress": progress, "engine": engine, "device": device})
+        "prompt_seed": prompt_seed, "noise_final_norm": noise_final_norm, "progress": progress, "engine": engine,
+        "device": device})
     quant_inputs = []
     if cfg.engine == "vllm":
         from . import vllm_backend
@@ -260,7 +264,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         for bi, s in enumerate(ui.track(starts, "sampling", enabled=cfg.progress)):
             chunk = prompt_ids[s: s + cfg.batch_prompts]
             nseed, sseed = derive_seed(cfg.seed, "noise", bi), derive_seed(cfg.seed, "sample", bi)
-            ns = eng.set_noise(cfg.sigma, nseed, cfg.noise_scope, len(chunk), cfg.group)
+            ns = eng.set_noise(cfg.sigma, nseed, cfg.noise_scope, len(chunk), cfg.group, cfg.noise_final_norm)
             noise_states.append(noise_record(ns, cfg.engine, model) | {"batch": bi, "prompts": [s, s + len(chunk)]})
             if vllm_engine is not None:
                 ns = vllm_engine.set_noise(cfg.sigma, nseed)
@@ -321,8 +325,8 @@ def noise_record(ns, engine: str, model) -> dict:
 def hf_policy(model, eng: Engine, row: int | None = None):
     """Within: the HF model itself runs the policy ``eng`` declares, for transformers' ``generate``: the
     engine's current AQN draw written into every layer's ``input_layernorm`` / ``post_attention_layernorm``
-    weight (``row``: which row of a per-group draw), and the engine's adapter added by forward hooks on its
-    projections (``y += scaling * (x @ A^T) @ B^T``, as the engine does). On leaving, the norm weights are the
+    weight and, where drawn, the final norm's (``row``: which row of a per-group draw), and the engine's adapter
+    added by forward hooks on its projections (``y += scaling * (x @ A^T) @ B^T``, as the engine does). On leaving, the norm weights are the
     engine's clean snapshot again and the hooks are gone. (The HF norms hold the model's dtype: on a bf16 model
     the draw is rounded to bf16 there, unlike in the engine, whose noisy scales stay fp32.)"""
     norms = eng.effective_norm_weights()
@@ -333,6 +337,8 @@ def hf_policy(model, eng: Engine, row: int | None = None):
             for layer, nw in zip(layers, norms):
                 for t, w in nw.items():
                     getattr(layer, t).weight.copy_(w[row, 0] if w.dim() == 3 else w)
+            fw = eng.effective_final_norm()
+            model.model.norm.weight.copy_(fw[row, 0] if fw.dim() == 3 else fw)
         if eng.lora is not None:
             for name, (a, b) in eng.lora.factors.items():
                 def add_lora(_m, args, out, a=a, b=b, s=eng.lora.scaling):
@@ -347,6 +353,7 @@ def hf_policy(model, eng: Engine, row: int | None = None):
             for layer, clean in zip(layers, eng.clean):
                 for t, w in clean.items():
                     getattr(layer, t).weight.copy_(w)
+            model.model.norm.weight.copy_(eng.final_norm)
 
 
 def hf_generate(model, prompts: list[list[int]], cfg: RolloutConfig, eos: set[int], pad: int, seed: int,

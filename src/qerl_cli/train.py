@@ -118,6 +118,7 @@ class TrainConfig:
     sigma_end: float
     sigma_stages: int
     noise_scope: str
+    noise_final_norm: bool
     objective: str
     save_every: int
     seed: int
@@ -553,7 +554,7 @@ class Trainer:
             for c in range(0, len(shard), cfg.batch_prompts):
                 chunk = shard[c: c + cfg.batch_prompts]
                 nseed = derive_seed(cfg.seed, "noise", step, rnd, base + c)
-                self.engine.set_noise(sigma, nseed, cfg.noise_scope, len(chunk), cfg.group)
+                self.engine.set_noise(sigma, nseed, cfg.noise_scope, len(chunk), cfg.group, cfg.noise_final_norm)
                 with self.autocast():
                     b = self.engine.generate([self.prompt_ids[i] for i in chunk], cfg.group, cfg.sampling(),
                                              derive_seed(cfg.seed, "sample", step, rnd, base + c), self.eos, self.pad)
@@ -609,7 +610,7 @@ class Trainer:
         t_max = max(x.completion_ids.shape[1] for x in part)
         out: list[torch.Tensor | None] = [None] * len(part)
         for (nseed, scope, n_call), ks in order.items():
-            eng.set_noise(sigma, nseed, scope, n_call, cfg.group)
+            eng.set_noise(sigma, nseed, scope, n_call, cfg.group, cfg.noise_final_norm)
             if scope == "group":  # keep the rows of the groups in this part
                 rows = torch.cat([torch.arange(part[k].noise_key[3] * cfg.group, (part[k].noise_key[3] + 1) * cfg.group)
                                   for k in ks]).to(self.device)
