@@ -184,19 +184,25 @@ def test_noise_never_accumulates(model):
     assert torch.equal(model.model.layers[0].input_layernorm.weight, clean)  # the model itself is untouched
 
 
+def _engine_and_noisy_copy(model, eng):
+    """(the engine's logits on PROMPTS[0], those ids, a copy of ``model`` whose two norms per layer hold the
+    engine's current draw)."""
+    ids = torch.tensor([PROMPTS[0]])
+    noisy = copy.deepcopy(model)
+    with torch.no_grad():
+        ours = eng.forward(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool))
+        for layer, w in zip(noisy.model.layers, eng.effective_norm_weights()):
+            layer.input_layernorm.weight.copy_(w["input_layernorm"])
+            layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm"])
+    return ours, ids, noisy
+
+
 def test_noise_reaches_the_norms_that_generate(model):
     """Engine logits under a draw equal a HF forward of a model whose two norms per layer hold that draw."""
     eng = Engine(model)
     eng.set_noise(0.1, 5)
-    ids = torch.tensor([PROMPTS[0]])
-    key = torch.ones_like(ids, dtype=torch.bool)
-    pos = torch.arange(ids.shape[1])[None]
+    ours, ids, noisy = _engine_and_noisy_copy(model, eng)
     with torch.no_grad():
-        ours = eng.forward(ids, pos, key)
-        noisy = copy.deepcopy(model)
-        for layer, w in zip(noisy.model.layers, eng.effective_norm_weights()):
-            layer.input_layernorm.weight.copy_(w["input_layernorm"])
-            layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm"])
         ref = noisy(ids).logits
         clean = model(ids).logits
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
@@ -223,15 +229,8 @@ def test_final_norm_noise_only_when_asked(model, scope):
     if scope == "group":
         assert fw.shape == (6, 1, 64) and torch.equal(fw[0], fw[1]) and not torch.equal(fw[1], fw[2])
     else:
-        ids = torch.tensor([PROMPTS[0]])
-        key = torch.ones_like(ids, dtype=torch.bool)
-        pos = torch.arange(ids.shape[1])[None]
+        ours, ids, noisy = _engine_and_noisy_copy(model, eng)
         with torch.no_grad():
-            ours = eng.forward(ids, pos, key)
-            noisy = copy.deepcopy(model)
-            for layer, w in zip(noisy.model.layers, eng.effective_norm_weights()):
-                layer.input_layernorm.weight.copy_(w["input_layernorm"])
-                layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm"])
             noisy.model.norm.weight.copy_(fw)
             torch.testing.assert_close(ours, noisy(ids).logits, rtol=1e-4, atol=1e-4)
             without = copy.deepcopy(noisy)
