@@ -4,6 +4,7 @@ what the engine would not apply (LoRA variants such as DoRA, LoRA outside the pr
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -174,3 +175,23 @@ def test_training_on_an_awq_folded_model_saves_source_coordinates_and_resumes_ex
     assert all(torch.allclose(got[k], sd[k], rtol=1e-6, atol=1e-7) for k in sd)
     lora_mod.load_adapter_weights(pm2, tmp_path / "ad", exact=sd)
     assert all(torch.equal(get_peft_model_state_dict(pm2)[k], sd[k]) for k in sd)
+    # the file says its coordinates; a train checkpoint of an older qerl (unmarked: the coordinates of the pack it
+    # trained on) is refused on an AWQ pack, where the two cannot be told apart, and read as before elsewhere
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from qerl_cli.adapter import ADAPTER_WEIGHTS
+
+    with safe_open(str(tmp_path / "ad" / ADAPTER_WEIGHTS), "pt") as f:
+        assert f.metadata()["qerl_coordinates"] == "source"
+    old = tmp_path / "old-step"
+    shutil.copytree(tmp_path / "ad", old)
+    (old / "trainer_state.json").write_text("{}")
+    save_file(load_file(str(old / ADAPTER_WEIGHTS)), str(old / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with pytest.raises(QerlError, match="saved by a qerl before session 28"):
+        load_lora(old, folded)
+    assert load_lora(old, plain).source is None
+    third_party = tmp_path / "peft-made"  # (no trainer_state.json: a PEFT adapter, the source model's by definition)
+    shutil.copytree(old, third_party)
+    (third_party / "trainer_state.json").unlink()
+    assert load_lora(third_party, folded).source is not None

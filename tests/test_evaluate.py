@@ -60,6 +60,8 @@ def test_eval_artifact_contents_and_sources(packed, tmp_path):
     rk = [json.loads(x) for x in k.file(names.EVAL_EXAMPLES).read_text().splitlines()]
     assert all(len(r["samples"]) == 3 for r in rk) and "pass@3" in rk[0]
     assert json.loads(k.file(names.EVAL_SUMMARY).read_text())["policy"]["sampling_seed"] == k.config["seed"]
+    # how the batches' seeds follow from seed is part of the key (session 28 changed it: older evals recompute)
+    assert "sha256(f'{seed}:sample:{b}')" in k.config["seeds"]
 
 
 def test_report_compares_and_refuses_different_datasets(packed, tmp_path):

@@ -92,7 +92,7 @@ def test_adapter_is_applied_and_recorded(pipeline, tmp_path):
     meta = json.loads(a.file(names.ROLLOUT_META).read_text())
     assert meta["policy"]["adapter_digest"] == artifact.sha256_json(
         {"weights": artifact.sha256_file(ad / "adapter_model.safetensors"),
-         "scalings": {"model.layers.0.self_attn.q_proj": 2.0}})
+         "scalings": {"model.layers.0.self_attn.q_proj": 2.0}, "coordinates": "source"})
     assert any(i["kind"] == "adapter" for i in a.inputs)
     ta, tb = (load_file(str(x.file(names.ROLLOUT_TENSORS))) for x in (a, b))
     assert not torch.equal(ta["behaviour_logprobs"], tb["behaviour_logprobs"])

@@ -46,6 +46,7 @@ o=""; prev=""
 for a in "$@"; do [ "$prev" = "-o" ] && o="$a"; prev="$a"; done
 echo "$1 $(basename "$o") $*" >> {log}
 mkdir -p "$o" && touch "$o/manifest.json"
+[ "$1" != train ] || touch "$o/train_config.json"
 """)
     fake.chmod(0o755)
 
@@ -57,7 +58,7 @@ mkdir -p "$o" && touch "$o/manifest.json"
 
     first = make()
     assert [c.split()[0] for c in first] == ["calibrate", "quantize", "pack", "verify", "train", "evaluate"]
-    assert first[4].endswith("--resume") and "--steps 2" in first[4]
+    assert first[4].endswith("--force") and "--steps 2" in first[4]  # (a fresh run: nothing to resume)
     assert make() == []
     assert [c.split()[0] for c in make("SAMPLES=64")] == ["calibrate", "quantize", "pack", "verify", "train",
                                                           "evaluate"]
@@ -66,3 +67,10 @@ mkdir -p "$o" && touch "$o/manifest.json"
     again = make("SAMPLES=64", "STEPS=3")
     assert [c.split()[0] for c in again] == ["train", "evaluate"] and again[0].endswith("--resume")
     assert make("SAMPLES=64", "STEPS=3") == []
+    # interrupted, then other settings: the unfinished run is of the old ones, so it is replaced, not resumed
+    import time
+
+    time.sleep(1.1)  # (file times of one second)
+    (tmp_path / "out" / "run" / "manifest.json").unlink()
+    changed = make("SAMPLES=64", "STEPS=4")
+    assert changed[0].split()[0] == "train" and "--steps 4" in changed[0] and changed[0].endswith("--force")

@@ -33,6 +33,8 @@ from .errors import QerlError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# safetensors metadata qerl writes with an adapter (lora.save_adapter): its factors are the source model's
+COORDINATES_KEY, SOURCE_COORDINATES = "qerl_coordinates", "source"
 
 # adapter_config.json entries that change what the adapter computes beyond plain LoRA (when set / true)
 UNSUPPORTED_OPTIONS = {
@@ -193,12 +195,26 @@ def load_lora(path: str | Path, model) -> LoRA:
         scaling = next(iter(scalings.values()))
     # the policy is the factors and their scalings (lora_alpha, r, the patterns, use_rslora): both in the digest,
     # so a changed config is a new adapter to the stages' caches and records (review, session 19)
+    # ("coordinates": since session 28 the factors are applied in the source model's coordinates, folded on an
+    # AWQ pack: the same file is another policy there than before, so stages keyed on the digest recompute)
     digest = sha256_json({"weights": sha256_file(path / ADAPTER_WEIGHTS),
-                          "scalings": {n: scalings[n] for n in sorted(scalings)}})
+                          "scalings": {n: scalings[n] for n in sorted(scalings)}, "coordinates": SOURCE_COORDINATES})
     lora = LoRA(out, scaling, digest)
+    lora.unmarked_qerl_checkpoint = _unmarked_qerl_checkpoint(path)
     if model is not None:
         fit_lora(lora, model, path)
     return lora
+
+
+def _unmarked_qerl_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a train checkpoint of a qerl older than session 28, whose factors are in the
+    coordinates of the pack it trained on (folded, where that was an AWQ pack), not the source model's."""
+    from safetensors import safe_open
+
+    if not (path / "trainer_state.json").is_file():
+        return False
+    with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as f:
+        return (f.metadata() or {}).get(COORDINATES_KEY) != SOURCE_COORDINATES
 
 
 def fit_lora(lora: LoRA, model, path: str | Path) -> None:
@@ -217,5 +233,9 @@ def fit_lora(lora: LoRA, model, path: str | Path) -> None:
                             "(an adapter for another model?).")
     source = lora.source if lora.source is not None else lora.factors
     folds = model_folding(model)
+    if folds and getattr(lora, "unmarked_qerl_checkpoint", False):
+        raise QerlError(f"adapter {path} was saved by a qerl before session 28, in the coordinates of the pack it "
+                        "trained on, which this AWQ pack cannot tell apart from the source model's; train it again "
+                        "with this qerl.")
     lora.factors = fold_factors(source, folds) if folds else source
     lora.source = source if folds else None

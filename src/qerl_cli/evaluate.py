@@ -110,7 +110,8 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
                      "seeds": BATCH_SEEDS_DEFINITION}
 
     scoring = tasks.verifier()  # the answer checker that ran (results differ between checkers)
-    run_config = config.as_dict(cfg) | {"verifier": scoring} | config.result_env()
+    # (seeds: how each batch's seeds follow from seed, which session 28 changed: part of the key)
+    run_config = config.as_dict(cfg) | {"verifier": scoring, "seeds": BATCH_SEEDS_DEFINITION} | config.result_env()
     hit = artifact.cached(names.KIND_EVAL, output, run_config, inputs, force)
     if hit is None:  # (a cache hit loads no model)
         model = load_model()

@@ -146,9 +146,9 @@ def build_extension(name: str, filename: str, timeline: bool = False):
 
 def build_identity() -> dict:
     """What a verify of the kernel checked, which a run on the kernel must still have (``rollout.require_verified``):
-    a digest of the CUDA sources the extensions build from (``csrc/*.cu``, ``*.cuh``), the arch flags, and the
-    GPU's compute capability and SM count (the per-shape grids and split-K sums follow from those). Builds
-    nothing."""
+    a digest of the CUDA sources the extensions build from (``csrc/*.cu``, ``*.cuh``), the arch flags, the GPU's
+    compute capability and SM count (the per-shape grids and split-K sums follow from those), and the torch and
+    CUDA versions the extension builds against. Builds nothing."""
     src = _source()
     files = sorted(src.parent.glob("*.cu")) + sorted(src.parent.glob("*.cuh")) if src is not None else []
     digest = hashlib.sha256(b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in files)).hexdigest()[:16] \
@@ -158,7 +158,8 @@ def build_identity() -> dict:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         gpu = {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count}
-    return {"sources": digest, "arch_flags": arch.split() if arch else list(_DEFAULT_ARCH_FLAGS), "gpu": gpu}
+    return {"sources": digest, "arch_flags": arch.split() if arch else list(_DEFAULT_ARCH_FLAGS), "gpu": gpu,
+            "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
 def error_line(e: Exception) -> str:

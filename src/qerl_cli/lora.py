@@ -151,15 +151,15 @@ def save_adapter(pm, path: str | Path) -> None:
     model card."""
     from safetensors.torch import load_file, save_file
 
-    from .adapter import ADAPTER_WEIGHTS, model_folding
+    from .adapter import ADAPTER_WEIGHTS, COORDINATES_KEY, SOURCE_COORDINATES, model_folding
 
     path = Path(path)
     pm.save_pretrained(str(path), safe_serialization=True)
     (path / "README.md").unlink(missing_ok=True)
-    folds = model_folding(pm.get_base_model())
-    if folds:
-        f = path / ADAPTER_WEIGHTS
-        save_file(refold(load_file(str(f)), folds, to_model=False), str(f), metadata={"format": "pt"})
+    # always rewritten: the metadata marks the factors as the source model's (adapter.COORDINATES_KEY)
+    f = path / ADAPTER_WEIGHTS
+    save_file(refold(load_file(str(f)), model_folding(pm.get_base_model()), to_model=False), str(f),
+              metadata={"format": "pt", COORDINATES_KEY: SOURCE_COORDINATES})
 
 
 def load_adapter_weights(pm, path: str | Path, exact: dict[str, torch.Tensor] | None = None) -> None:
