@@ -84,8 +84,11 @@ def random_lora(model, rank: int) -> LoRA:
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
                 decode_attn=None, silu_in_kernel=None, rope_in_attn=None, silu_lora_in_kernel=None,
-                **engine_kw) -> dict:
+                keep_graph=True, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    # keep_graph (the engine's default since session 25): the timed call, of the warm-up's shapes, replays the
+    # warm-up's decode graph; False: it captures its own (two warm-up steps + a capture inside its decode time)
+    eng.keep_graph = keep_graph
     if silu_lora_in_kernel is not None:  # (None: the engine's default)
         eng.silu_lora_in_kernel = silu_lora_in_kernel
     if rope_in_attn is not None:  # (None: the engine's default)
@@ -117,7 +120,8 @@ def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_
     dt = time.perf_counter() - t0
     toks = int(b.completion_mask.sum())
     return {"tokens": toks, "wall_s": dt, "tokens_per_s": toks / dt, "prefill_s": b.timings["prefill_s"],
-            "decode_s": b.timings["decode_s"], "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "decode_s": b.timings["decode_s"], "decode_state": b.timings["decode_state"],
+            "decode_setup_s": b.timings["decode_setup_s"], "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def time_hf(model, batch, p_len, new, vocab) -> dict:
@@ -224,6 +228,9 @@ def main() -> None:
     ap.add_argument("--sampler", action="store_true",
                     help="7B-shape NVFP4 rollouts at batch 8 and 64: the fused sampling kernel against torch's "
                          "sampling ops, interleaved twice (and at batch 8 with a rank-32 adapter)")
+    ap.add_argument("--keep-graph", action="store_true",
+                    help="only the kept decode graph against a capture per call (7B shapes, batch 8; bf16, NVFP4, "
+                         "NVFP4 with a rank-32 adapter), interleaved twice")
     ap.add_argument("--kernel-variants", default=None,
                     help="comma-separated small-M kernel variants (qerl_cli.kernel.VARIANTS): 7B shapes, NVFP4 "
                          "only, batch 8 and 64, each variant forced in turn (one packed model, one process)")
@@ -297,6 +304,8 @@ def main() -> None:
         aqn_part(result, rows, save)
     elif args.sampler:
         sampler_part(result, rows, save)
+    elif args.keep_graph:
+        keep_part(rows, save)
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.silu_in_kernel:
@@ -354,6 +363,23 @@ def main() -> None:
                      **without_pdl(lambda: time_engine(big, 8, 256, 512, 152064))})
         save()
     print_table(result, rows)
+
+
+def keep_part(rows, save) -> None:
+    """Session 25: ``Engine.keep_graph`` (a rollout call of the previous call's shapes replays that call's decode
+    graph) against a capture in every call, 7B shapes at batch 8: bf16, then NVFP4 without and with a rank-32
+    adapter, each pair interleaved twice in one process."""
+    big = random_model(qwen7b_config())
+    for label, kw in (("ours-bf16", {}), ("ours-nvfp4", {}), ("ours-nvfp4 +lora32", {"lora_rank": 32})):
+        if label == "ours-nvfp4":
+            big = pack_model_inplace(big)
+            gc.collect()
+            torch.cuda.empty_cache()
+        for _ in range(2):
+            for keep in (True, False):
+                rows.append({"model": "Qwen2.5-7B-shape", "engine": label + ("" if keep else " capture per call"),
+                             "batch": 8, **time_engine(big, 8, 256, 512, 152064, keep_graph=keep, **kw)})
+                save()
 
 
 def without_pdl(fn):
@@ -654,11 +680,12 @@ def print_table(result: dict, rows: list[dict]) -> None:
     result["runs"] = rows
     con = Console()
     t = Table(title=f"rollout throughput on {result['device']}")
-    for c in ("model", "engine", "batch", "tokens/s", "prefill s", "decode s", "peak GiB"):
+    for c in ("model", "engine", "batch", "tokens/s", "prefill s", "decode s", "decode setup", "peak GiB"):
         t.add_column(c, justify="right")
     for r in rows:
+        setup = f"{r['decode_state']} {r['decode_setup_s'] * 1e3:.1f} ms" if "decode_state" in r else "-"
         t.add_row(r["model"], r["engine"], str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r.get('prefill_s', 0):.3f}",
-                  f"{r.get('decode_s', r['wall_s']):.3f}", f"{r['peak_alloc_gib']:.2f}")
+                  f"{r.get('decode_s', r['wall_s']):.3f}", setup, f"{r['peak_alloc_gib']:.2f}")
     con.print(t)
     con.print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 

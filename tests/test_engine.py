@@ -136,17 +136,17 @@ def test_nan_logits_mid_rollout_stop_at_the_next_sync_point(model, monkeypatch):
     make = Engine._decoder
 
     def decoder(self, *a, **k):
-        step = make(self, *a, **k)
+        step, how = make(self, *a, **k)
 
-        def poisoned(tok, pos, at):
-            calls.append(int(at))
-            logits = step(tok, pos, at)
+        def poisoned(tok):
+            calls.append(1)
+            logits = step(tok)
             if len(calls) == 4:  # the logits of the 5th generated token
                 logits = logits.clone()
                 logits[1, 7] = float("nan")
             return logits
 
-        return poisoned
+        return poisoned, how
 
     monkeypatch.setattr(Engine, "_decoder", decoder)
     with pytest.raises(QerlError, match="at decode step 5 of 40"):
@@ -1012,3 +1012,94 @@ def test_decode_attention_mode(model, monkeypatch):
     monkeypatch.setenv("QERL_ENGINE_DECODE_ATTN", "yes")
     with pytest.raises(QerlError, match="QERL_ENGINE_DECODE_ATTN"):
         Engine(model)
+
+
+def _same(a, b) -> bool:
+    return (torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+            and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs))
+
+
+def test_kept_decode_state_refills_everything_a_call_changes(model):
+    """A second call of the same shapes reuses the kept cache (and on GPU the graph): it gives the bits of a fresh
+    engine whatever the previous call left behind (another noise draw, other prompts, a call that failed on NaN
+    logits), and a call of other shapes or flags, or keep_graph off, makes a new one."""
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=9)
+    eng = Engine(model, fuse=True)
+    eng.set_noise(0.05, 1)
+    first = eng.generate(PROMPTS, 2, cfg, 3, {EOS}, PAD)
+    kept = eng._graph
+    assert first.timings["decode_state"] == "new" and kept is not None
+    eng.set_noise(0.05, 2)  # another draw: the kept norm scales take its values
+    again = eng.generate(PROMPTS, 2, cfg, 3, {EOS}, PAD)
+    assert again.timings["decode_state"] == "kept" and eng._graph is kept
+    fresh = Engine(model, fuse=True)
+    fresh.set_noise(0.05, 2)
+    assert _same(again, fresh.generate(PROMPTS, 2, cfg, 3, {EOS}, PAD))
+    assert not torch.equal(again.behaviour_logprobs, first.behaviour_logprobs)  # the new draw took effect
+    # other prompts of the same padded length: the cache and key mask are refilled
+    other = [p[::-1] for p in PROMPTS]
+    eng.set_noise(0.0, 0)
+    b = eng.generate(other, 2, cfg, 4, {EOS}, PAD)
+    assert b.timings["decode_state"] == "kept"
+    assert _same(b, Engine(model, fuse=True).generate(other, 2, cfg, 4, {EOS}, PAD))
+    # a call that fails (huge noise: non-finite logits) leaves nothing the next call reads
+    eng.set_noise(1e30, 5)
+    with pytest.raises(QerlError, match="not finite"):
+        eng.generate(PROMPTS, 2, cfg, 3, {EOS}, PAD)
+    eng.set_noise(0.0, 0)
+    c = eng.generate(PROMPTS, 2, cfg, 3, {EOS}, PAD)
+    assert c.timings["decode_state"] == "kept"
+    assert _same(c, Engine(model, fuse=True).generate(PROMPTS, 2, cfg, 3, {EOS}, PAD))
+    # other rows, cache slots or engine flags: a new one replaces the kept one
+    assert eng.generate(PROMPTS, 1, cfg, 3, {EOS}, PAD).timings["decode_state"] == "new"
+    assert eng.generate(PROMPTS, 1, SamplingConfig(temperature=1.0, max_new_tokens=10), 3, {EOS},
+                        PAD).timings["decode_state"] == "new"
+    eng.lora_kernels = not eng.lora_kernels
+    assert eng.generate(PROMPTS, 1, SamplingConfig(temperature=1.0, max_new_tokens=10), 3, {EOS},
+                        PAD).timings["decode_state"] == "new"
+    eng.release_graph()
+    assert eng._graph is None
+    eng.keep_graph = False
+    for _ in range(2):
+        assert eng.generate(PROMPTS, 1, cfg, 3, {EOS}, PAD).timings["decode_state"] == "new"
+    assert eng._graph is None
+
+
+def test_kept_decode_state_takes_lora_weights_changed_in_place(model):
+    """Training updates the adapter in place between rollouts: the kept decode step reads a snapshot copied from
+    the new values (the batched LoRA terms), so its rollouts equal a fresh engine's; a new adapter object drops
+    the kept state."""
+    from qerl_cli import lora as qlora
+
+    pm = _peft(qlora, copy.deepcopy(model), ("q_proj", "up_proj", "down_proj"))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    eng = Engine(pm.get_base_model(), fuse=True)
+    a = eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD)
+    assert eng._graph is not None and eng._graph.snap and any(isinstance(t, tuple) for t in eng._graph.snap.values())
+    with torch.no_grad():
+        for _, p in qlora.trainable(pm):
+            p.add_(torch.randn_like(p) * 0.2)
+    b = eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD)
+    assert b.timings["decode_state"] == "kept"
+    assert _same(b, Engine(pm.get_base_model(), fuse=True).generate(PROMPTS, 2, cfg, 0, {EOS}, PAD))
+    assert not torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    # terms computed as in training read peft's tensors and scalings directly: nothing is kept
+    eng.batch_lora = False
+    for _ in range(2):
+        assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new" and eng._graph is None
+    eng.batch_lora = True
+    eng.set_adapter(LoRA(_lora_factors(pm.get_base_model(), ["model.layers.0.mlp.gate_proj"]), scaling=1.0))
+    assert eng._graph is None
+    assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new"
+    assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "kept"
+    eng.lora = LoRA(dict(eng.lora.factors), scaling=1.0)  # another adapter object, not through set_adapter
+    assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new"
+
+
+def test_cache_slots_round_up_on_cuda_only(model, monkeypatch):
+    eng = Engine(model)
+    assert eng.cache_slots(10, 9) == 19  # CPU: exact
+    eng.device = torch.device("cuda")  # (the rounding depends on the device type alone)
+    assert eng.cache_slots(10, 9) == 32 and eng.cache_slots(33, 31) == 64 and eng.cache_slots(64, 0) == 64
+    monkeypatch.setattr(model.config, "max_position_embeddings", 100)
+    assert eng.cache_slots(90, 5) == 96 and eng.cache_slots(90, 8) == 98  # never past the model's positions

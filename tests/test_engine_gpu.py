@@ -402,3 +402,50 @@ def test_nan_logits_raise_without_a_device_side_assert(gpu_model, graph):
     b = Engine(gpu_model, "cuda", cuda_graph=graph).generate(PROMPTS, 2, cfg, 0, set(), 0)
     torch.cuda.synchronize()
     assert b.rows == 6 and b.completion_mask.any()
+
+
+def test_kept_decode_graph_equals_a_fresh_capture(gpu_model):
+    """A call of the previous call's shapes replays the kept graph (no warm-up, no capture) on its own values:
+    another per-group noise draw, adapter factors changed in place, shorter prompts in the same slot bucket; its
+    rollout is bit-identical to a fresh engine's own capture, with the adapter (SDPA) and without (our decode
+    attention kernel), and a changed kernel setting captures anew."""
+    from qerl_cli import kernel
+    from qerl_cli.engine import LoRA
+
+    factors = _random_factors(gpu_model, 8, 1)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=20)
+    shorter = [p[:-1] for p in PROMPTS]
+
+    def run(eng, noise_seed, prompts):
+        eng.set_noise(0.02, noise_seed, scope="group", groups=len(prompts), group_size=2)
+        return eng.generate(prompts, 2, cfg, 7, set(), 0)
+
+    def same(a, b):
+        return (torch.equal(a.completion_ids, b.completion_ids)
+                and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs))
+
+    for adapter in (True, False):
+        eng = Engine(gpu_model, "cuda")
+        if adapter:
+            eng.set_adapter(LoRA(factors, scaling=2.0))
+        first = run(eng, 1, PROMPTS)
+        assert first.timings["decode_state"] == "new" and first.timings["cache_slots"] == 32
+        if adapter:
+            with torch.no_grad():
+                for _, b in eng.lora.factors.values():
+                    b.mul_(1.5)
+        again = run(eng, 2, shorter)
+        assert again.timings["decode_state"] == "kept" and again.timings["cache_slots"] == 32
+        fresh = Engine(gpu_model, "cuda")
+        if adapter:
+            fresh.set_adapter(eng.lora)
+        ref = run(fresh, 2, shorter)
+        assert ref.timings["decode_state"] == "new"
+        assert same(again, ref) and not same(again, first)
+        pdl = kernel.settings().get("pdl")
+        if pdl is not None:
+            kernel.set_pdl(not pdl)
+            try:
+                assert run(eng, 2, shorter).timings["decode_state"] == "new"
+            finally:
+                kernel.set_pdl(pdl)

@@ -41,6 +41,7 @@ def test_rollout_artifact(pipeline, tmp_path):
     assert meta["policy"]["sampler"].startswith("torch.multinomial")  # (CPU: the fused sampler is CUDA's)
     assert meta["policy"]["decode_attention"] == "SDPA"  # (CPU: the decode-attention kernel is CUDA's)
     assert meta["policy"]["nvfp4_kernel"] == {"available": False, "variant": "auto"}  # (CPU: the torch reference)
+    assert meta["summary"]["decode_states_kept"] == 0 and meta["summary"]["decode_setup_s"] >= 0  # (one batch)
     rows = [json.loads(line) for line in art.file(names.ROLLOUT_SAMPLES).read_text().splitlines()]
     assert len(rows) == 6 and {r["status"] for r in rows} <= {"correct", "wrong", "unparsable", "truncated"}
     assert [r["prompt"] for r in rows] == [0, 0, 1, 1, 2, 2]

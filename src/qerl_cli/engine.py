@@ -50,6 +50,8 @@ from . import kernel as _kernel
 from .errors import QerlError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# On CUDA a rollout's KV cache holds a multiple of this many slots (``Engine.cache_slots``).
+SLOT_BUCKET = 32
 # Teacher-forced log-probs project at most this many logits at a time (fp32: 1 GiB).
 LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
@@ -442,6 +444,42 @@ class LoRA:
                     self.scaling, self.digest, self.source)
 
 
+@dataclass(eq=False)
+class _DecodeGraph:
+    """A decode step's CUDA graph with every tensor it reads that a rollout call refills (see
+    ``Engine._decoder``): kept between calls while its key holds."""
+    key: tuple | None
+    cache: list[tuple[torch.Tensor, torch.Tensor]]
+    key_mask: torch.Tensor
+    norms: list[dict[str, torch.Tensor]]
+    snap: dict[int, object] | None
+    rope: torch.Tensor | None  # (kept alive: the graph reads its rows)
+    lora: object = None  # the adapter object the graph was captured with (compared by identity)
+    tok: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    at: torch.Tensor | None = None
+    graph: object = None
+    out: torch.Tensor | None = None
+
+
+def _snap_signature(t) -> object:
+    """The structure of one LoRA snapshot entry (see ``_lora_terms``): what a kept graph needs to be unchanged."""
+    if t is None or t is _NO_LORA:
+        return "unbatched" if t is None else "none"
+    a, bs, segs = t
+    return (tuple(a.shape), a.dtype, tuple(bs.shape), bs.dtype, segs)
+
+
+def _copy_snapshot(dst: dict[int, object] | None, src: dict[int, object] | None) -> None:
+    """Copy the values of LoRA snapshot ``src`` into ``dst`` of the same structure (a kept graph's)."""
+    if dst is None:
+        return
+    pairs = [(d, s) for k, t in dst.items() if isinstance(t, tuple)
+             for d, s in zip(t[:2], src[k][:2])]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
 class Engine:
     def __init__(self, model, device: str | torch.device | None = None, cuda_graph: bool = True,
                  grad_checkpoint: bool = False, fuse: bool | None = None, compile_elementwise: bool | None = None,
@@ -478,6 +516,10 @@ class Engine:
         self._noisy_final: torch.Tensor | None = None  # the final norm's draw, where asked
         self.lora: LoRA | None = None
         self.use_graph = cuda_graph and self.device.type == "cuda" and not _reference_packed(model)
+        from .packed_model import PackedLinear
+
+        # whether products run the NVFP4 kernels, whose process-wide settings a kept decode graph must match
+        self._nvfp4_on_cuda = self.device.type == "cuda" and any(isinstance(m, PackedLinear) for m in model.modules())
         # differentiable forwards without a cache recompute each layer in the backward pass
         self.grad_checkpoint = grad_checkpoint
         if fuse is None:  # default: on CUDA; QERL_ENGINE_FUSE=0/1 overrides
@@ -498,7 +540,12 @@ class Engine:
                     mods = [getattr(getattr(layer, parent), n) for n in members]
                     if _Fused.possible(mods):
                         self.fused[i][key] = _Fused(mods, [f"model.layers.{i}.{parent}.{n}" for n in members])
-        self._graph = None
+        # the decode step's CUDA graph and KV cache are kept after a rollout call: the next call with the same
+        # rows, cache slots (``cache_slots``), adapter structure and settings refills them and replays the graph
+        # instead of two warm-up steps and a capture; False (or QERL_ENGINE_KEEP_GRAPH=0): each call captures its
+        # own and frees it (the cache's memory returns to torch's allocator between calls)
+        self.keep_graph = os.environ.get("QERL_ENGINE_KEEP_GRAPH", "1") != "0"
+        self._graph: _DecodeGraph | None = None
         self._eos: set[int] = set()
         # no-grad calls batch the LoRA terms of each fused group and linear (a snapshot taken when the call starts,
         # dropped when it ends, so it never outlives the adapter weights it copied); False (or
@@ -579,7 +626,6 @@ class Engine:
             raise QerlError(f"noise scope must be 'batch' or 'group', got '{scope}'.")
         self.noise = NoiseState(sigma=sigma, seed=seed, scope=scope, final_norm=bool(final_norm and sigma > 0),
                                 draws=self.noise.draws + (sigma > 0))
-        self._graph = None
         self._noisy_final = None
         if sigma == 0:
             self._noisy = None
@@ -613,7 +659,6 @@ class Engine:
             self._noisy = [{t: v[rows] for t, v in d.items()} for d in self._noisy]
             if self._noisy_final is not None:
                 self._noisy_final = self._noisy_final[rows]
-            self._graph = None
 
     def effective_norm_weights(self) -> list[dict[str, torch.Tensor]]:
         """The norm scales the next forward uses (clean snapshot, or the current noisy draw)."""
@@ -719,16 +764,18 @@ class Engine:
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, key_mask: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, write_at: torch.Tensor | None = None,
-                rows: slice | None = None, hidden_only: bool = False, attend: int | None = None) -> torch.Tensor:
+                rows: slice | None = None, hidden_only: bool = False, attend: int | None = None,
+                norms: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
         """Logits ``[B, T, V]`` for tokens ``ids [B, T]`` at positions ``pos``. Without a cache, attention is
         causal over ``ids`` with ``key_mask [B, T]``; with a cache, K/V are written at ``write_at`` (T slots
         from there) and queries attend to every cache slot allowed by ``key_mask [B, S]`` and causality.
         ``attend`` (with a cache): only the first ``attend`` slots can be attended to (the prefill, whose
-        queries never see later slots): attention is computed over those alone, not the whole cache."""
+        queries never see later slots): attention is computed over those alone, not the whole cache.
+        ``norms``: the norm scales to use instead of ``effective_norm_weights()`` (a kept decode graph's copy)."""
         b, t = ids.shape
         h = self.embed(ids)
         cos, sin = self._cos_sin(h, pos, cache)  # [B, T, head_dim]
-        norms = self.effective_norm_weights()
+        norms = self.effective_norm_weights() if norms is None else norms
         if cache is None:
             s_len, base = t, torch.zeros((), dtype=torch.long, device=ids.device)
         else:
@@ -980,38 +1027,138 @@ class Engine:
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
 
-    def _decoder(self, cache, key_mask: torch.Tensor, rows: int, first_slot: int, first_pos: torch.Tensor):
-        """A function ``(tokens [R], pos [R, 1], write_at) -> logits [R, V] fp32``: a CUDA graph on GPU.
+    def cache_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The KV-cache slots of a rollout: ``prompt_len + max_new_tokens``, rounded up on CUDA to a multiple of
+        ``SLOT_BUCKET`` (within the model's positions) so that calls whose longest prompts differ a little share
+        one decode graph (``keep_graph``); the extra slots are never written nor attended to."""
+        need = prompt_len + max_new_tokens
+        if self.device.type != "cuda":
+            return need
+        slots = -(-need // SLOT_BUCKET) * SLOT_BUCKET
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        return slots if limit is None or slots <= limit else need
 
-        The warm-up runs before capture really execute and write K/V: they write at ``first_slot``, the slot
+    def release_graph(self) -> None:
+        """Drop the kept decode graph and its KV cache (the next rollout captures a new one)."""
+        self._graph = None
+
+    def _graph_key(self, rows: int, slots: int, norms: list[dict[str, torch.Tensor]]) -> tuple:
+        """Everything a captured decode step depends on besides the values copied into it: shapes, the dtype and
+        autocast state, the engine's flags (every plain attribute), the adapter object, the LoRA snapshot's and the
+        norm scales' structure, the rotary table and the kernels' process-wide settings."""
+        flags = tuple(sorted((k, v) for k, v in vars(self).items()
+                             if isinstance(v, (bool, int, float, str)) and k != "keep_graph"))
+        snap = None if self._lora_snap is None else tuple(sorted((k, _snap_signature(v))
+                                                                 for k, v in self._lora_snap.items()))
+        norm_sig = tuple(tuple((t, tuple(v.shape), v.dtype) for t, v in sorted(d.items())) for d in norms)
+        autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) if self.device.type == "cuda" \
+            else (torch.is_autocast_enabled("cpu"),)
+        settings = tuple(sorted(_kernel.settings().items())) if self._nvfp4_on_cuda else ()
+        return (rows, slots, self.dtype, autocast, flags, id(self.lora), id(self._ops), id(self._rope_tab), snap,
+                norm_sig, settings, os.environ.get("QERL_ATTN_CLUSTER"))
+
+    def _keepable(self) -> bool:
+        """Whether a decode graph may be kept past this call: every LoRA term it reads comes from the batched
+        snapshot (whose values a later call copies in). Terms computed as in training read the adapter's tensors
+        and Python scalings directly (``batch_lora`` off, or terms that cannot be batched): not kept. Nor is a
+        graph of a call with a final-norm draw (``set_noise(final_norm=True)``): the step reads that draw itself."""
+        if self._noisy_final is not None:
+            return False
+        if self._lora_snap is not None:
+            return all(t is not None for t in self._lora_snap.values())
+        return self.lora is None and not any(hasattr(m, "lora_A") for m in self.model.modules())
+
+    def _decoder(self, cache, key_mask: torch.Tensor, group: int, first_slot: int, first_pos: torch.Tensor
+                 ) -> tuple[object, str]:
+        """``(step, how)``: ``step(tokens [R]) -> logits [R, V] fp32``, the next decode step over a KV cache of
+        ``R = rows of cache * group`` rows holding the prefill's ``cache`` (each row ``group`` times) and the key
+        mask ``key_mask`` (prefill rows): the first call writes slot ``first_slot`` at positions ``first_pos
+        [R, 1]``, each call one slot and position further (advanced on the device, inside the graph). A CUDA
+        graph on GPU (``use_graph``), else eager. ``step.tok``: the tensor the graph reads its tokens from (a
+        sampler may write them there; else ``step`` copies them in), None when eager. ``how``: "new" (a new
+        cache, and graph: two warm-up steps and a capture) or "kept" (those kept from an earlier call whose
+        ``_graph_key`` is the same: the cache, key mask, norm scales and LoRA snapshot values are copied into the
+        tensors the step reads, which are the same on CPU and in a graph).
+
+        The warm-up runs before a capture really execute and write K/V: they write at ``first_slot``, the slot
         the first decode step overwrites anyway, never over the prompt's cache."""
+        rows = cache[0][0].shape[0] * group
+        slots = cache[0][0].shape[2]
+        norms = self.effective_norm_weights()
+        key = self._graph_key(rows, slots, norms)
+        keep = self.keep_graph and self._keepable()
+        kept = self._graph
+        if not (keep and kept is not None and kept.key == key and kept.lora is self.lora):
+            kept = None
+        self._graph = None  # (a graph of another key goes before the new cache is allocated)
+        if kept is None:
+            kept = _DecodeGraph(key=key, cache=self._new_cache(rows, slots),
+                                key_mask=torch.empty(rows, slots, dtype=torch.bool, device=self.device),
+                                norms=[{t: v.clone() for t, v in d.items()} for d in norms], snap=self._lora_snap,
+                                rope=self._rope_tab, lora=self.lora)
+            how = "new"
+        else:
+            how = "kept"
+            _copy_snapshot(kept.snap, self._lora_snap)
+            torch._foreach_copy_([kd[t] for kd in kept.norms for t in kd], [d[t] for kd, d in zip(kept.norms, norms)
+                                                                           for t in kd])
+        for (kk, kv), (pk, pv) in zip(kept.cache, cache):  # each prefill row ``group`` times, every slot
+            kk.view(-1, group, *kk.shape[1:]).copy_(pk[:, None])
+            kv.view(-1, group, *kv.shape[1:]).copy_(pv[:, None])
+        kept.key_mask.view(-1, group, slots).copy_(key_mask[:, None])
+        if how == "new":
+            kept.tok = torch.zeros(rows, dtype=torch.long, device=self.device)
+            kept.pos = first_pos.clone()
+            kept.at = torch.full((), first_slot, dtype=torch.long, device=self.device)
+        else:
+            kept.pos.copy_(first_pos)
+            kept.at.fill_(first_slot)
 
-        def step(tok, pos, write_at):
-            return self.forward(tok.view(-1, 1), pos, key_mask, cache, write_at)[:, -1].float()
+        def forward():
+            prev, self._lora_snap = self._lora_snap, kept.snap
+            try:
+                return self.forward(kept.tok.view(-1, 1), kept.pos, kept.key_mask, kept.cache, kept.at,
+                                    norms=kept.norms)[:, -1].float()
+            finally:
+                self._lora_snap = prev
 
         if not self.use_graph:
-            return step
-        s_tok = torch.zeros(rows, dtype=torch.long, device=self.device)
-        s_pos = first_pos.clone()
-        s_at = torch.full((), first_slot, dtype=torch.long, device=self.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
-                step(s_tok, s_pos, s_at)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            s_out = step(s_tok, s_pos, s_at)
+            def step(tok):
+                kept.tok.copy_(tok)
+                logits = forward()
+                torch._foreach_add_([kept.pos, kept.at], 1)
+                return logits
 
-        def replay(tok, pos, write_at):
-            s_tok.copy_(tok)
-            s_pos.copy_(pos)
-            s_at.copy_(write_at)
-            graph.replay()
-            return s_out
+            step.tok = None
+            if keep:
+                self._graph = kept
+            return step, how
+        if how == "new":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            # autocast's cast cache off: a cached cast (made by the prefill, freed when the caller leaves autocast)
+            # would be read by address from a kept graph instead of being cast in it
+            nocache = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                     enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+            with torch.cuda.stream(side), nocache:
+                for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
+                    forward()
+            torch.cuda.current_stream().wait_stream(side)
+            kept.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(kept.graph), nocache:
+                kept.out = forward()
+                torch._foreach_add_([kept.pos, kept.at], 1)  # the next step's position and slot
+        if keep:  # (only once captured: a failed capture keeps nothing)
+            self._graph = kept
 
-        return replay
+        def replay(tok):
+            if tok is not kept.tok:
+                kept.tok.copy_(tok)
+            kept.graph.replay()
+            return kept.out
+
+        replay.tok = kept.tok
+        return replay, how
 
     def sampler(self, cfg: SamplingConfig, vocab: int) -> str:
         """How decode steps draw under ``cfg`` (recorded with a rollout: the same seed gives other tokens under
@@ -1126,7 +1273,7 @@ class Engine:
             if drawn != r:  # (a draw of one row would broadcast over every prompt: batch noise, logged as per group)
                 raise QerlError(f"the per-group noise draw covers {drawn} rows, but this batch has {b} prompts x G = "
                                 f"{g} = {r} rows: draw it with set_noise(..., groups={b}, group_size={g}).")
-        slots = p_len + t_new
+        slots = self.cache_slots(p_len, t_new)
         ids = torch.full((b, p_len), pad_id, dtype=torch.long)
         pmask = torch.zeros(b, p_len, dtype=torch.bool)
         for i, p in enumerate(prompts):
@@ -1145,13 +1292,13 @@ class Engine:
         h_last = self.forward(ids, pos, key_mask, cache, torch.zeros((), dtype=torch.long, device=dev), rows,
                               hidden_only=True, attend=p_len)[:, -1]
         logits = self.lm_head(h_last)
-        cache = [(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)) for k, v in cache]
-        key_mask = key_mask.repeat_interleave(g, 0)
         logits = logits.float().repeat_interleave(g, 0)
-        next_pos = pos[:, -1:].repeat_interleave(g, 0) + 1
         sync()
         t1 = time.perf_counter()
-        decode = self._decoder(cache, key_mask, r, p_len, next_pos)
+        decode, graph_how = self._decoder(cache, key_mask, g, p_len, pos[:, -1:].repeat_interleave(g, 0) + 1)
+        del cache  # (the decoder's cache holds it now, each row G times)
+        sync()  # (a kept state's copies are device work: counted here, not in the first step)
+        t_graph = time.perf_counter() - t1
         gen = torch.Generator(device=dev).manual_seed(seed)
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
         out = torch.full((r, t_new), pad_id, dtype=torch.long, device=dev)
@@ -1159,14 +1306,13 @@ class Engine:
         blp = torch.zeros(r, t_new, dtype=torch.float32, device=dev)
         tlp = torch.zeros(r, t_new, dtype=torch.float32, device=dev)
         finished = torch.zeros(r, dtype=torch.bool, device=dev)
-        at = torch.zeros((), dtype=torch.long, device=dev)
         fast = self._fast_sampling(sampling, logits.shape[-1])
         bad = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused sampler's record of a NaN / +inf logit
         nonfinite = torch.zeros(t_new, dtype=torch.bool, device=dev)  # per step: a live row's logits had NaN/Inf
         steps = 0
         for step in range(t_new):
             tok = (_fk.sample_step(logits, sampling.temperature, seed, step, finished, eos, pad_id, out, mask, blp,
-                                   tlp, bad) if fast else None)
+                                   tlp, bad, getattr(decode, "tok", None)) if fast else None)
             if tok is None:  # torch's ops (CPU, truncation, or shapes the kernel declines)
                 live = ~finished
                 logits, bad_rows = self.finite_rows(logits, live)
@@ -1183,9 +1329,7 @@ class Engine:
             # ahead in between (steps past the last live token are trimmed below; they sample pad only)
             if step == t_new - 1 or (step % 8 == 7 and bool(finished.all() | nonfinite.any() | (bad != 0).any())):
                 break
-            at.fill_(p_len + step)
-            logits = decode(tok, next_pos, at)
-            next_pos = next_pos + 1
+            logits = decode(tok)  # (writes slot p_len + step at the next positions)
         sync()
         t2 = time.perf_counter()
         if bool(nonfinite.any() | (bad != 0).any()):
@@ -1204,7 +1348,8 @@ class Engine:
             finish_reason=["eos" if e else "length" for e in ended.tolist()],
             timings={"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": steps,
                      "generated_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(t2 - t0, 1e-9),
-                     "cuda_graph": self.use_graph})
+                     "cuda_graph": self.use_graph, "decode_state": graph_how, "decode_setup_s": t_graph,
+                     "cache_slots": slots})
 
     def sequence_logprobs(self, prompts: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                           temperature: float, pad_id: int, group: int = 1) -> torch.Tensor:

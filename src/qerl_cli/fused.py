@@ -167,15 +167,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
 
 def sample_step(logits: torch.Tensor, temperature: float, seed: int, step: int, finished: torch.Tensor,
                 eos: torch.Tensor, pad: int, out: torch.Tensor, mask: torch.Tensor, blp: torch.Tensor,
-                tlp: torch.Tensor, bad: torch.Tensor) -> torch.Tensor | None:
+                tlp: torch.Tensor, bad: torch.Tensor, tok: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode step ``step``'s tokens ``[rows]`` (int64), drawn from ``softmax(logits / temperature)`` (fp32
     ``logits [rows, V]``, nothing truncated) by the Gumbel-max trick on Philox4x32-10 noise with key ``seed`` and
     counter (token // 4, step, row): reproducible from (seed, step, row) alone. Writes column ``step`` of ``out``
     (the token), ``mask`` (live), ``blp`` and ``tlp`` (both the tempered log-prob: no truncation); a finished row
     gets ``pad``, mask 0 and log-prob 0, a live row that draws a token of ``eos`` becomes finished; a NaN or +inf
     logit raises ``bad`` (one int32) and is never drawn. None (nothing done) where the kernel does not take the
-    tensors (then the caller samples with torch)."""
-    tok = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    tensors (then the caller samples with torch). ``tok``: where to write the tokens (int64 ``[rows]``, e.g. the
+    tensor a decode graph reads them from); default a new tensor."""
+    if tok is None:
+        tok = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     if not _load().sample_step(logits, float(temperature), int(seed) & (2**63 - 1), int(step), finished, eos, int(pad),
                                tok, out, mask, blp, tlp, bad):
         return None

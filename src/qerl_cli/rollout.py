@@ -484,6 +484,9 @@ def _summary(rows: list[dict], batches: list[RolloutBatch]) -> dict:
     dec = sum(b.timings["decode_s"] for b in batches)
     s = {"samples": len(rows), "generated_tokens": gen, "prefill_s": pre, "decode_s": dec,
          "decode_s_includes_prefill": not split, "tokens_per_s": gen / max((pre or 0.0) + dec, 1e-9),
+         # decode steps set up (graph captures on GPU: inside decode_s) and calls that reused the previous one's
+         "decode_setup_s": sum(b.timings.get("decode_setup_s", 0.0) for b in batches),
+         "decode_states_kept": sum(b.timings.get("decode_state") == "kept" for b in batches),
          "length_fraction": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
          "mean_length": gen / len(rows)}
     if rows and "reward" in rows[0]:

@@ -657,6 +657,7 @@ class Trainer:
                 counts[qkey[self.heldout[i].question]] += r["status"] == tasks.CORRECT
             counts["unparsable"] += sum(r["status"] == tasks.UNPARSABLE for r in rows)
             counts["truncated"] += sum(f == "length" for f in b.finish_reason)
+        self.engine.release_graph()
         c = dist.sums(counts)
         _sync(self.device)
         acc = c["correct"] / max(c["n"], 1)
@@ -683,6 +684,9 @@ class Trainer:
         _sync(dev)
         t0 = time.perf_counter()
         kept, sampled, rounds = self.sample(step, sigma)
+        # the step's rollout calls shared one decode graph and KV cache (Engine.keep_graph); free them for the
+        # training forward and backward, as before the engine kept them (the next step captures anew)
+        self.engine.release_graph()
         _sync(dev)
         time_rollout = time.perf_counter() - t0
 
