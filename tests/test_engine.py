@@ -1103,3 +1103,50 @@ def test_cache_slots_round_up_on_cuda_only(model, monkeypatch):
     assert eng.cache_slots(10, 9) == 32 and eng.cache_slots(33, 31) == 64 and eng.cache_slots(64, 0) == 64
     monkeypatch.setattr(model.config, "max_position_embeddings", 100)
     assert eng.cache_slots(90, 5) == 96 and eng.cache_slots(90, 8) == 98  # never past the model's positions
+
+
+def test_decode_step_reads_only_what_a_kept_graph_refills(model):
+    """Every tensor a decode step reads (each op's inputs, traced on CPU, where the step runs the same engine code
+    eagerly) lives in the model's parameters and buffers, in the kept decode state the next call refills (cache,
+    key mask, norm scales, LoRA snapshot, tokens, positions, slot), or was made by the step itself: nothing that a
+    later call could free or replace while a kept CUDA graph still reads its address."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qerl_cli import lora as qlora
+
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.read, self.made = set(), set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            self.read |= {storage(t) for t in flat if isinstance(t, torch.Tensor) and t.numel()}
+            out = func(*args, **(kwargs or {}))
+            self.made |= {storage(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+            return out
+
+    pm = _peft(qlora, copy.deepcopy(model), ("q_proj", "up_proj", "down_proj"))
+    eng = Engine(pm.get_base_model(), fuse=True)
+    eng.set_noise(0.05, 1, scope="group", groups=len(PROMPTS), group_size=2)
+    eng.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=3), 0, {EOS}, PAD)
+    kept = eng._graph
+    assert kept is not None and kept.snap and any(isinstance(t, tuple) for t in kept.snap.values())
+    allowed = {storage(t) for t in list(pm.parameters()) + list(pm.buffers())}
+    allowed |= {storage(t) for (k, v) in kept.cache for t in (k, v)}
+    allowed |= {storage(t) for d in kept.norms for t in d.values()}
+    allowed |= {storage(t) for v in kept.snap.values() if isinstance(v, tuple) for t in v[:2]}
+    allowed |= {storage(t) for t in (kept.key_mask, kept.tok, kept.pos, kept.at)}
+    if kept.rope is not None:
+        allowed.add(storage(kept.rope))
+    with torch.no_grad(), eng._lora_batched():  # (as generate calls it: the snapshot of this call)
+        step, how = eng._decoder([(k[::2].clone(), v[::2].clone()) for k, v in kept.cache],
+                                 kept.key_mask[::2].clone(), 2, 12, kept.pos.clone())
+        assert how == "kept"
+        with Reads() as reads:
+            step(torch.full((kept.tok.shape[0],), 5))
+    outside = reads.read - reads.made - allowed
+    assert not outside, f"the decode step reads {len(outside)} tensor(s) a kept graph does not own"
