@@ -149,6 +149,7 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
+#   70                             (branch keep-graph) part 69's build and engine GPU tests only (little device time)
 #   69                             (branch keep-graph: check it out first; prepared in session 25, not run: no
 #                                  device could be started) build, the engine's GPU tests (the kept decode graph), the 7B-shape
 #                                  rollouts with the kept graph against a capture per call (bench_rollout.py
@@ -777,6 +778,15 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
+  ;;
+70)
+  # session 26 (branch keep-graph): part 69's build and engine GPU tests alone, for a call on little device time
+  grep -q -- "--keep-graph" benchmarks/bench_rollout.py \
+    || { echo "part 70 runs the code of branch keep-graph: git checkout keep-graph first" >&2; exit 2; }
+  sm90_start
+  build; stamp 70 "build done"
+  COLUMNS=200 timeout "${T70:-100}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    > "$OUT/gpu_tests_engine.log" 2>&1; tail -n 12 "$OUT/gpu_tests_engine.log"; stamp 70 "engine GPU tests done"
   ;;
 69)
   # session 25: the engine keeps its decode graph between rollout calls of the same shapes (Engine.keep_graph)
