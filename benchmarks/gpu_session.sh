@@ -785,8 +785,11 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     || { echo "part 70 runs the code of branch keep-graph: git checkout keep-graph first" >&2; exit 2; }
   sm90_start
   build; stamp 70 "build done"
+  COLUMNS=200 timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    -k kept_decode_graph > "$OUT/gpu_tests_kept.log" 2>&1; tail -n 12 "$OUT/gpu_tests_kept.log"; stamp 70 "kept-graph test done"
   COLUMNS=200 timeout "${T70:-100}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
-    > "$OUT/gpu_tests_engine.log" 2>&1; tail -n 12 "$OUT/gpu_tests_engine.log"; stamp 70 "engine GPU tests done"
+    -k "not kept_decode_graph" > "$OUT/gpu_tests_engine.log" 2>&1; tail -n 12 "$OUT/gpu_tests_engine.log"
+  stamp 70 "engine GPU tests done"
   ;;
 69)
   # session 25: the engine keeps its decode graph between rollout calls of the same shapes (Engine.keep_graph)
