@@ -1042,6 +1042,12 @@ def test_kept_decode_state_refills_everything_a_call_changes(model):
     b = eng.generate(other, 2, cfg, 4, {EOS}, PAD)
     assert b.timings["decode_state"] == "kept"
     assert _same(b, Engine(model, fuse=True).generate(other, 2, cfg, 4, {EOS}, PAD))
+    # the longest prompt one token shorter, one more new token: the same cache slots, another first slot and mask
+    shorter = PROMPTS[:-1] + [PROMPTS[-1][:-1]]
+    longer = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    s = eng.generate(shorter, 2, longer, 4, {EOS}, PAD)
+    assert s.timings["decode_state"] == "kept"
+    assert _same(s, Engine(model, fuse=True).generate(shorter, 2, longer, 4, {EOS}, PAD))
     # a call that fails (huge noise: non-finite logits) leaves nothing the next call reads
     eng.set_noise(1e30, 5)
     with pytest.raises(QerlError, match="not finite"):
@@ -1071,7 +1077,7 @@ def test_kept_decode_state_takes_lora_weights_changed_in_place(model):
     the kept state."""
     from qerl_cli import lora as qlora
 
-    pm = _peft(qlora, copy.deepcopy(model), ("q_proj", "up_proj", "down_proj"))
+    pm = _peft(qlora, copy.deepcopy(model), ("q_proj", "k_proj", "up_proj", "down_proj"))
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=8)
     eng = Engine(pm.get_base_model(), fuse=True)
     a = eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD)
@@ -1088,11 +1094,19 @@ def test_kept_decode_state_takes_lora_weights_changed_in_place(model):
     for _ in range(2):
         assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new" and eng._graph is None
     eng.batch_lora = True
-    eng.set_adapter(LoRA(_lora_factors(pm.get_base_model(), ["model.layers.0.mlp.gate_proj"]), scaling=1.0))
+    # ... and so are terms that cannot be batched (q and k with other scalings, in one fused q/k/v group)
+    k_proj = pm.get_base_model().model.layers[0].self_attn.k_proj
+    k_proj.scaling = {n: 2 * v for n, v in k_proj.scaling.items()}
+    for _ in range(2):
+        assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new" and eng._graph is None
+    k_proj.scaling = {n: v / 2 for n, v in k_proj.scaling.items()}
+    # (gate_proj's term shares its fused group with peft's up_proj: the same scaling, so they batch)
+    up_scaling = float(pm.get_base_model().model.layers[0].mlp.up_proj.scaling["default"])
+    eng.set_adapter(LoRA(_lora_factors(pm.get_base_model(), ["model.layers.0.mlp.gate_proj"]), scaling=up_scaling))
     assert eng._graph is None
     assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new"
     assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "kept"
-    eng.lora = LoRA(dict(eng.lora.factors), scaling=1.0)  # another adapter object, not through set_adapter
+    eng.lora = LoRA(dict(eng.lora.factors), scaling=up_scaling)  # another adapter object, not through set_adapter
     assert eng.generate(PROMPTS, 2, cfg, 0, {EOS}, PAD).timings["decode_state"] == "new"
 
 

@@ -449,3 +449,11 @@ def test_kept_decode_graph_equals_a_fresh_capture(gpu_model):
                 assert run(eng, 2, shorter).timings["decode_state"] == "new"
             finally:
                 kernel.set_pdl(pdl)
+    # torch's sampler (top-p, and greedy) writes its tokens into the kept graph's input: the same bits as fresh
+    for trunc in (SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=20),
+                  SamplingConfig(temperature=0.0, max_new_tokens=20)):
+        eng = Engine(gpu_model, "cuda")
+        assert eng.generate(PROMPTS, 2, trunc, 7, set(), 0).timings["decode_state"] == "new"
+        again = eng.generate(shorter, 2, trunc, 8, set(), 0)
+        assert again.timings["decode_state"] == "kept"
+        assert same(again, Engine(gpu_model, "cuda").generate(shorter, 2, trunc, 8, set(), 0))

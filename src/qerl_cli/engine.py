@@ -1229,14 +1229,13 @@ class Engine:
             grouped = set()
             for f in self.fused[i].values():
                 grouped.update(id(m) for m in f.modules)
-                if (t := _lora_terms(f.modules, f.names, f.sizes, self.lora)) is not None:
-                    snap[id(f)] = t
+                # None (terms that cannot be batched) is stored too: _keepable reads it
+                snap[id(f)] = _lora_terms(f.modules, f.names, f.sizes, self.lora)
             for name in PROJECTIONS:
                 m = layer.get_submodule(name)
                 if id(m) not in grouped:
-                    t = _lora_terms([m], [f"model.layers.{i}.{name}"], [_base_layer(m).out_features], self.lora)
-                    if t is not None:
-                        snap[id(m)] = t
+                    snap[id(m)] = _lora_terms([m], [f"model.layers.{i}.{name}"], [_base_layer(m).out_features],
+                                              self.lora)
         return snap
 
     @contextlib.contextmanager
