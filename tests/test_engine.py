@@ -1063,6 +1063,15 @@ def test_kept_decode_state_refills_everything_a_call_changes(model):
     eng.lora_kernels = not eng.lora_kernels
     assert eng.generate(PROMPTS, 1, SamplingConfig(temperature=1.0, max_new_tokens=10), 3, {EOS},
                         PAD).timings["decode_state"] == "new"
+    # a final-norm draw is read by the step itself: that call's graph is not kept, and the next one is new
+    eng.set_noise(0.05, 6, final_norm=True)
+    f = eng.generate(PROMPTS, 1, cfg, 3, {EOS}, PAD)
+    assert f.timings["decode_state"] == "new" and eng._graph is None
+    fresh = Engine(model, fuse=True)
+    fresh.set_noise(0.05, 6, final_norm=True)
+    assert _same(f, fresh.generate(PROMPTS, 1, cfg, 3, {EOS}, PAD))
+    eng.set_noise(0.0, 0)
+    assert eng.generate(PROMPTS, 1, cfg, 3, {EOS}, PAD).timings["decode_state"] == "new" and eng._graph is not None
     eng.release_graph()
     assert eng._graph is None
     eng.keep_graph = False
@@ -1154,6 +1163,7 @@ def test_decode_step_reads_only_what_a_kept_graph_refills(model):
     allowed |= {storage(t) for d in kept.norms for t in d.values()}
     allowed |= {storage(t) for v in kept.snap.values() if isinstance(v, tuple) for t in v[:2]}
     allowed |= {storage(t) for t in (kept.key_mask, kept.tok, kept.pos, kept.at)}
+    allowed.add(storage(eng.final_norm))  # (the engine's clean copy, never written: a final-norm draw is not kept)
     if kept.rope is not None:
         allowed.add(storage(kept.rope))
     with torch.no_grad(), eng._lora_batched():  # (as generate calls it: the snapshot of this call)
