@@ -819,7 +819,11 @@ class Engine:
         if self.device.type != "cuda" or getattr(self.rotary, "rope_type", None) not in ("default", "linear", "llama3"):
             return  # (on CPU a long tensor's cos can take another vector path than a short one's: not the same bits)
         tab = self._rope_tab
-        if tab is not None and tab.shape[0] >= n and tab.device == self.device and tab.dtype == self.dtype:
+        # (the device as "cuda" never equals a tensor's "cuda:0": compare type and, where given, index; rebuilt on
+        # every call, the table's new id made every kept decode graph's key differ)
+        same_device = tab is not None and tab.device.type == self.device.type and (
+            self.device.index is None or tab.device.index == self.device.index)
+        if same_device and tab.shape[0] >= n and tab.dtype == self.dtype:
             return
         pos = torch.arange(max(n, 1), device=self.device)[None]
         cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=self.device), pos)
