@@ -149,9 +149,13 @@
 #                                  train and fused GPU test files (results/s22/part61_gpu_tests_h100.log)
 #   (62)                           session 22, an ad-hoc call after the engine's _term_in_kernel refactor: both
 #                                  extensions built, the engine and LoRA-term GPU test files (part62_gpu_tests_h100.log)
-#   70                             (branch keep-graph) part 69's build and engine GPU tests only (little device time)
-#   69                             (branch keep-graph: check it out first; prepared in session 25, not run: no
-#                                  device could be started) build, the engine's GPU tests (the kept decode graph), the 7B-shape
+#   (71)                           session 28, ad-hoc calls on the warm H100 after 70 and the rotary-table fix: the
+#                                  kept-graph test and bench_rollout.py --keep-graph (results/s28/adhoc_*), then the
+#                                  train, LoRA-term, engine, decode-attention and fused GPU test files
+#   70                             (keep-graph, merged in session 28) part 69's build and engine GPU tests only (little
+#                                  device time); session 28 on an H100 (results/s28/part70_*)
+#   69                             (keep-graph, merged in session 28; prepared in session 25, not yet run as a whole)
+#                                  build, the engine's GPU tests (the kept decode graph), the 7B-shape
 #                                  rollouts with the kept graph against a capture per call (bench_rollout.py
 #                                  --keep-graph), then the decode-attention, fused, LoRA-term and train GPU tests
 #                                  for at most T69 (default 200) seconds
@@ -782,7 +786,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
 70)
   # session 26 (branch keep-graph): part 69's build and engine GPU tests alone, for a call on little device time
   grep -q -- "--keep-graph" benchmarks/bench_rollout.py \
-    || { echo "part 70 runs the code of branch keep-graph: git checkout keep-graph first" >&2; exit 2; }
+    || { echo "part 70 needs bench_rollout.py --keep-graph (main since session 28)" >&2; exit 2; }
   sm90_start
   build; stamp 70 "build done"
   COLUMNS=200 timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
@@ -794,7 +798,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
 69)
   # session 25: the engine keeps its decode graph between rollout calls of the same shapes (Engine.keep_graph)
   grep -q -- "--keep-graph" benchmarks/bench_rollout.py \
-    || { echo "part 69 runs the code of branch keep-graph: git checkout keep-graph first" >&2; exit 2; }
+    || { echo "part 69 needs bench_rollout.py --keep-graph (main since session 28)" >&2; exit 2; }
   sm90_start
   build; stamp 69 "build done"
   COLUMNS=200 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
