@@ -10,6 +10,10 @@ the same build with the serial one (``set_fixup(1)`` against ``set_fixup(2)``), 
 With ``--variants v2w8,v3,...`` instead, every named small-M variant of this build (and ``auto``) is forced in
 turn, interleaved round by round, beside cuBLAS with bf16 weights (``torch.matmul``, rotated copies as well); the
 first variant is the reference of the bit-identity column (``same``: equal bits, else the relative difference).
+
+With ``--prefetch 0,16,32`` instead, the automatic path of this build runs with each rolling L2 prefetch distance
+of the stream-K kernels (``kernel.set_v2_prefetch``, in K tiles) in turn, the same way; the first distance is the
+reference of the bit-identity column.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main() -> int:
     ap.add_argument("--other", help="directory holding the other nvfp4_kernel.cu (+ its headers)")
     ap.add_argument("--fixups", action="store_true", help="batched against serial v2 fixup in this build")
     ap.add_argument("--variants", default=None, help="comma-separated small-M variants of this build to compare")
+    ap.add_argument("--prefetch", default=None, help="comma-separated L2 prefetch distances (tiles) to compare")
     ap.add_argument("--ms", default="1,8,16,32")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rounds", type=int, default=3)
@@ -53,10 +58,12 @@ def main() -> int:
     if not (torch.cuda.is_available() and kernel.available()):
         print(f"ab_kernel: needs CUDA and the extension ({kernel.build_error()})", file=sys.stderr)
         return 2
-    if (bool(args.other) + args.fixups + bool(args.variants)) != 1:
-        ap.error("give one of --other DIR, --fixups and --variants LIST")
+    if (bool(args.other) + args.fixups + bool(args.variants) + bool(args.prefetch)) != 1:
+        ap.error("give one of --other DIR, --fixups, --variants LIST and --prefetch LIST")
     if args.variants:
         return compare_variants(args)
+    if args.prefetch:
+        return compare_prefetch(args)
     new = kernel._load()
     if args.fixups:
         other, fixup = new, {"new": 1, "old": 2}
@@ -121,6 +128,29 @@ def compare_variants(args) -> int:
         return 2
     if "auto" not in names:
         names.append("auto")
+    return compare_settings(args, {v: (lambda v=v: ext.set_variant(kernel.VARIANTS[v])) for v in names},
+                            lambda: ext.set_variant(3), "variants")
+
+
+def compare_prefetch(args) -> int:
+    """The automatic path with each rolling L2 prefetch distance side by side with cuBLAS bf16."""
+    ext = kernel._load()
+    try:
+        dists = [int(v) for v in args.prefetch.split(",") if v.strip()]
+    except ValueError:
+        print(f"ab_kernel: --prefetch takes whole numbers of tiles, not {args.prefetch!r}", file=sys.stderr)
+        return 2
+    ext.set_variant(3)
+    before = int(ext.get_v2_prefetch())
+    return compare_settings(args, {f"pf{d}": (lambda d=d: kernel.set_v2_prefetch(d)) for d in dists},
+                            lambda: ext.set_v2_prefetch(before), "prefetch")
+
+
+def compare_settings(args, settings: dict, restore, what: str) -> int:
+    """Each named setting (name -> a function applying it) of this build in turn, interleaved round by round,
+    beside cuBLAS bf16; the first is the reference of the bit-identity column."""
+    ext = kernel._load()
+    names = list(settings)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for model, layer, n, k, weight_bytes, qws in packed_weights(args.models, gen):
@@ -132,7 +162,7 @@ def compare_variants(args) -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             out = {v: torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for v in names}
             for v in names:
-                ext.set_variant(kernel.VARIANTS[v])
+                settings[v]()
                 ext.linear_out(x, qws[0], gs, n, k, out[v], -1)
             torch.cuda.synchronize()
             ref = out[names[0]].float()
@@ -144,7 +174,7 @@ def compare_variants(args) -> int:
             yb = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             for _ in range(args.rounds):
                 for v in names:
-                    ext.set_variant(kernel.VARIANTS[v])
+                    settings[v]()
                     times[v].append(1e6 * time_graph(
                         lambda i, v=v: ext.linear_out(x, qws[i], gs, n, k, out[v], -1), cq, calls))
                 times["cublas"].append(1e6 * time_graph(
@@ -159,10 +189,10 @@ def compare_variants(args) -> int:
                   f"x{med['cublas'] / med[best]:4.2f} ({weight_bytes / med[best] / 1e3:5.0f} GB/s)"
                   f"{'  NaN!' if any(nan.values()) else ''}", flush=True)
         del wbf
-    ext.set_variant(3)
-    print("(* = not bit-identical to the first variant; relative differences in the JSON)")
+    restore()
+    print("(* = not bit-identical to the first setting; relative differences in the JSON)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "variants": names,
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), what: names,
                                                "rows": rows}, indent=1))
     return 0
 

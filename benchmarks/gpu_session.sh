@@ -152,8 +152,8 @@
 #   (71)                           session 28, ad-hoc calls on the warm H100 after 70 and the rotary-table fix: the
 #                                  kept-graph test and bench_rollout.py --keep-graph (results/s28/adhoc_*), then the
 #                                  train, LoRA-term, engine, decode-attention and fused GPU test files
-#   72                             session 29: build, the kept-graph test, bench_rollout.py --keep-graph (7B, batch 8)
-#                                  on an H200, then the small-M variants (VARIANTS) beside cuBLAS at MS (1,8,16)
+#   72                             session 29: build, the kept-graph and L2-prefetch GPU tests, the rolling L2 prefetch
+#                                  (PFS) beside cuBLAS at MS (1,8,16), bench_rollout.py --keep-graph (7B, batch 8)
 #   70                             (keep-graph, merged in session 28) part 69's build and engine GPU tests only (little
 #                                  device time); session 28 on an H100 (results/s28/part70_*)
 #   69                             (keep-graph, merged in session 28; prepared in session 25, not yet run as a whole)
@@ -786,20 +786,21 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   stamp 65 "ncu done"
   ;;
 72)
-  # session 29: the kept decode graph on an H200 (issue 5's 3,000 tok/s target is set there): build, the kept-graph
-  # GPU test, bench_rollout.py --keep-graph (7B shapes, batch 8: bf16, NVFP4, NVFP4 + rank-32 adapter, each kept
-  # against a capture per call, interleaved), then the small-M variants beside cuBLAS and auto at MS on what is left
+  # session 29: on an H200 (issue 5's 3,000 tok/s target is set there): build, the kept-graph and L2-prefetch
+  # GPU tests, the stream-K kernels' rolling L2 prefetch beside cuBLAS at MS (ab_kernel.py --prefetch PFS), then
+  # bench_rollout.py --keep-graph (7B shapes, batch 8: bf16, NVFP4, NVFP4 + rank-32 adapter, each kept against a
+  # capture per call, interleaved) on what is left
   sm90_start
   build; stamp 72 "build done"
-  COLUMNS=200 timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
-    -k kept_decode_graph > "$OUT/gpu_tests_kept.log" 2>&1; tail -n 6 "$OUT/gpu_tests_kept.log"; stamp 72 "kept-graph test done"
-  COLUMNS=200 timeout 270 python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 --json "$OUT/rollout_7b_keep.json" \
-    2>&1 | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
+  COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    tests/test_kernel.py -k "kept_decode_graph or v2_prefetch" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 6 "$OUT/gpu_tests.log"; stamp 72 "GPU tests done"
+  timeout 150 python3 benchmarks/ab_kernel.py --prefetch ${PFS:-0,16,32} --ms ${MS:-1,8,16} \
+    --json "$OUT/ab_prefetch.json" 2>&1 | grep -v Warning | tee "$OUT/ab_prefetch.log"
+  stamp 72 "prefetch compared"
+  COLUMNS=200 timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 \
+    --json "$OUT/rollout_7b_keep.json" 2>&1 | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
   stamp 72 "rollouts done"
-  left=$(( 585 - $(date +%s) + t0 ))
-  [ "$left" -gt 30 ] && COLUMNS=200 timeout "$left" python3 benchmarks/ab_kernel.py --variants ${VARIANTS:-v2w8,v2w10,v2,default,alt} \
-    --ms ${MS:-1,8,16} --json "$OUT/ab_variants.json" 2>&1 | grep -v Warning > "$OUT/ab_variants.log"
-  tail -n 60 "$OUT/ab_variants.log"; stamp 72 "variants compared"
   ;;
 70)
   # session 26 (branch keep-graph): part 69's build and engine GPU tests alone, for a call on little device time

@@ -738,8 +738,11 @@ template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR =
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup, LoraAug la) {
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int flags, LoraAug la) {
+  // flags: bit 0 the batched stream-K fixup (fixup_for), bits 8-15 the K loop's L2 prefetch distance in tiles
+  // (0: only the PDL prologue's first kPrefetchTiles; v2_flags)
   constexpr int pair = PAIR ? 1 : 0;
+  const int batched_fixup = flags & 1, pf_ahead = (flags >> 8) & 0xff;
   QERL_TL_BEGIN
 #ifdef QERL_TIMELINE
   unsigned int tl_fixups = 0;
@@ -885,6 +888,19 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       __syncthreads();
       const uint32_t lrow = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
       const int cbase = kt0 + c * KCH;
+      if (pf_ahead > 0 && lane == 0) {
+        // rolling L2 prefetch: this chunk's tiles pf_ahead ahead (at the first chunk also those between the end
+        // of the prologue's prefetch, or the segment start, and there): more bytes in flight than the D register
+        // tiles per warp hold, without the registers; values unchanged
+        const int lo = c == 0 ? kt0 + (first_seg ? kPrefetchTiles : 0) : cbase + pf_ahead;
+        const int hi = min(kt1, cbase + pf_ahead + KCH);
+        if (lo < hi) {
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            if (rb[r] < NT)
+              qerl_pdl::prefetch_l2(pc[r] + (size_t)(lo - cbase) * kRecordBytes, (uint32_t)((hi - lo) * kRecordBytes));
+        }
+      }
       if (cbase + KCH + D <= kt1) {
         static_for<0, KCH>([&](auto ii) {
           constexpr int i = decltype(ii)::value;
@@ -1612,6 +1628,10 @@ static int g_fixup = [] {
 // down 18.3 against 19.6 us); batched from M = 8 on, 2-8 % faster (M = 8: 7B down 20.8 against 22.6, 32B q/k/v
 // 13.1 against 14.3; M = 16: 7B gate_up 33.8 against 35.6); M = 4 was a wash.
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
+// the K loop's rolling L2 prefetch distance of the stream-K kernels, in tiles (0: off; set_v2_prefetch)
+static int g_v2_prefetch = 0;
+// the stream-K kernel's flags argument (fixup mode and prefetch distance)
+static int v2_flags(int64_t M) { return fixup_for(M) | (g_v2_prefetch << 8); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_v2_grid = 0;  // > 0: the stream-K kernel's CTA count (probes; at most its units), 0: chosen per shape
 static int g_v2_aligned = 1;   // the stream-K kernel's grid aligned with its row groups where that fills the GPU
@@ -1999,14 +2019,14 @@ static void launch_mma_v2(const at::Tensor& x, const at::Tensor& qw, const at::T
           ckern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(), dim3((unsigned)sa, 1, 1),
           reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(), gs.data_ptr<float>(), bias,
           reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG,
-          fixup_for(M), la));
+          v2_flags(M), la));
       return;
     }
   }
   C10_CUDA_CHECK(qerl_pdl::launch(kern, dim3((unsigned)P), dim3(NW * 32), smem, stream, x.get_device(),
                                    reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), qw.data_ptr<uint8_t>(),
                                    gs.data_ptr<float>(), bias, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, fixup_for(M), la));
+                                   wsbuf.data_ptr<float>(), counters, M, N, K, NT, KT, RG, v2_flags(M), la));
 }
 
 // the small-M kernel linear_out runs for bf16 x of M rows on the mma path: 0 / 1 the two configurations of
@@ -2407,6 +2427,10 @@ void set_v2_grid(int64_t p) {
 }
 void set_v2_aligned(bool on) { g_v2_aligned = on ? 1 : 0; }
 void set_v2_cluster(bool on) { g_v2_cluster = on ? 1 : 0; }
+void set_v2_prefetch(int64_t tiles) {
+  TORCH_CHECK(tiles >= 0 && tiles <= 255, "qerl: the L2 prefetch distance must be 0 ... 255 tiles");
+  g_v2_prefetch = (int)tiles;
+}
 void set_fixup(int64_t v) {
   TORCH_CHECK(v >= 0 && v <= 2, "qerl: fixup must be 0 (auto, per M), 1 (batched) or 2 (serial)");
   g_fixup = (int)v;
@@ -2485,6 +2509,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_v2_cluster", &qerl::set_v2_cluster,
         "split-K sums of the stream-K kernels' aligned grids through thread-block clusters (sm_90; default on)");
   m.def("get_v2_cluster", [] { return qerl::g_v2_cluster != 0; });
+  m.def("set_v2_prefetch", &qerl::set_v2_prefetch,
+        "the stream-K kernels' rolling L2 prefetch distance in K tiles (0: off, the default)");
+  m.def("get_v2_prefetch", [] { return (int64_t)qerl::g_v2_prefetch; });
   m.def("last_v2_cluster", [] { return (int64_t)qerl::g_last_v2_cluster; },
         "cluster size of the last stream-K launch (0: none)");
   m.def("set_v2_grid", &qerl::set_v2_grid, "force the stream-K kernel's CTA count (0: chosen per shape; probes)");

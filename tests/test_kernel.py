@@ -214,6 +214,15 @@ def test_variant_selection_cpu():
     assert kernel.variant() == before
 
 
+def test_v2_prefetch_distance_checked():
+    """The L2 prefetch distance is a number of K tiles in 0 ... 255 (the kernel's flags hold 8 bits of it): anything
+    else is refused before it reaches the extension."""
+    for bad in (-1, 256, 10**6):
+        with pytest.raises(ValueError, match="0 ... 255 tiles"):
+            kernel.set_v2_prefetch(bad)
+    kernel.set_v2_prefetch(0)
+
+
 def test_available_reports_reason_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
@@ -476,6 +485,51 @@ def test_gpu_v2_cluster_sums_bit_identical(n, k):
         assert _replay_equals_eager(lambda: kernel.linear(x, qw, gs, n, k, out=out), out)
     finally:
         kernel.set_v2_cluster(cluster_before)
+        kernel.set_variant(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(3584, 18944), (37888, 3584), (2000, 4032)])
+def test_gpu_v2_prefetch_bit_identical(n, k):
+    """The stream-K kernels' rolling L2 prefetch (set_v2_prefetch) changes no value: bit-identical outputs with
+    distances 0, 8, 16 and 40 tiles, every stream-K variant, aligned and stream-K grids (a CTA crossing row
+    groups: segments after the first), M up to 64, the SiLU·mul pair kernel too, outputs poisoned; a distance
+    outside 0 ... 255 is refused."""
+    _need_kernel()
+    ext = kernel._load()
+    before, aligned_before, pf_before = kernel.variant(), bool(ext.get_v2_aligned()), int(ext.get_v2_prefetch())
+    qw, gs = make_packed(n, k, device="cuda", seed=5 * n + k)
+    try:
+        with pytest.raises(ValueError):
+            kernel.set_v2_prefetch(256)
+        for v in ("v2", "v2w8", "v2w10"):
+            kernel.set_variant(v)
+            for aligned in (True, False):
+                kernel.set_v2_aligned(aligned)
+                for m in (1, 8, 16, 33):
+                    if v == "v2w10" and m > 16:
+                        continue
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    outs, pairs = [], []
+                    for pf in (0, 8, 16, 40):
+                        kernel.set_v2_prefetch(pf)
+                        assert int(ext.get_v2_prefetch()) == pf
+                        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                        kernel.linear(x, qw, gs, n, k, out=out)
+                        outs.append(out)
+                        if v != "v2" and n % 32 == 0:
+                            pairs.append(kernel.linear_silu(x, qw, gs, n, k))
+                    torch.cuda.synchronize()
+                    assert not torch.isnan(outs[0]).any(), (v, aligned, m)
+                    assert rel_err(outs[0], ref_fp32(x, qw, gs, n, k)) <= 1e-2, (v, aligned, m)
+                    for o in outs[1:]:
+                        assert torch.equal(o, outs[0]), (v, aligned, m)
+                    if pairs and pairs[0] is not None:
+                        for o in pairs[1:]:
+                            assert o is not None and torch.equal(o, pairs[0]), (v, aligned, m)
+    finally:
+        kernel.set_v2_prefetch(pf_before)
+        kernel.set_v2_aligned(aligned_before)
         kernel.set_variant(before)
 
 

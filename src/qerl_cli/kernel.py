@@ -76,7 +76,7 @@ from . import layout
 
 __all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
            "set_large_m_threshold", "tc_max_m", "set_tc_max_m", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
-           "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS", "set_v2_aligned", "set_v2_cluster",
+           "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS", "set_v2_aligned", "set_v2_cluster", "set_v2_prefetch",
            "settings"]
 
 BACKEND_KERNEL = "cuda-kernel"
@@ -212,6 +212,12 @@ def _apply_variant(ext) -> None:
         ext.set_v2_aligned(False)
     if os.environ.get("QERL_KERNEL_V2_CLUSTER", "1") == "0":
         ext.set_v2_cluster(False)
+    pf = os.environ.get("QERL_KERNEL_V2_PREFETCH", "").strip()
+    if pf:
+        try:
+            ext.set_v2_prefetch(int(pf))
+        except (ValueError, RuntimeError) as e:
+            warnings.warn(f"qerl.kernel: ignoring QERL_KERNEL_V2_PREFETCH={pf!r}: {e}", RuntimeWarning, stacklevel=3)
 
 
 def _variant_name(v: str) -> str:
@@ -267,6 +273,19 @@ def set_v2_cluster(on: bool) -> None:
         ext.set_v2_cluster(bool(on))
 
 
+def set_v2_prefetch(tiles: int) -> None:
+    """The stream-K kernels' rolling L2 prefetch (``QERL_KERNEL_V2_PREFETCH``; default 0, off): each warp's lane 0
+    asks L2 for its row block's K tiles ``tiles`` ahead of the chunk it computes (``cp.async.bulk.prefetch.L2``),
+    beyond the PDL prologue's first 16, so more of the weight is in flight than the register tiles hold. Values
+    are unchanged (bit-identical outputs, tested); only the timing changes. A no-op without the CUDA extension."""
+    tiles = int(tiles)
+    if not 0 <= tiles <= 255:
+        raise ValueError(f"the L2 prefetch distance must be 0 ... 255 tiles, not {tiles}")
+    ext = _load()
+    if ext is not None:
+        ext.set_v2_prefetch(tiles)
+
+
 def set_pdl(on: bool) -> None:
     """Programmatic dependent launch (csrc/pdl.cuh) of the small-M kernels and of the engine's fused kernels
     on or off, process-wide (default on, ``QERL_PDL=0`` off): with it a kernel launches while the one before it
@@ -320,7 +339,8 @@ def settings() -> dict:
         out |= {"pdl": bool(ext.get_pdl()), "cluster_split": bool(ext.get_cluster()),
                 "cluster_max_m": int(ext.get_cluster_max_m()), "large_m_threshold": int(ext.get_large_m_threshold()),
                 "tc_max_m": int(ext.get_tc_max_m()),
-                "v2_aligned": bool(ext.get_v2_aligned()), "v2_cluster": bool(ext.get_v2_cluster())}
+                "v2_aligned": bool(ext.get_v2_aligned()), "v2_cluster": bool(ext.get_v2_cluster()),
+                "v2_prefetch": int(ext.get_v2_prefetch())}
     return out
 
 
