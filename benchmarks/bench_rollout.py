@@ -231,6 +231,8 @@ def main() -> None:
     ap.add_argument("--keep-graph", action="store_true",
                     help="only the kept decode graph against a capture per call (7B shapes, batch 8; bf16, NVFP4, "
                          "NVFP4 with a rank-32 adapter), interleaved twice")
+    ap.add_argument("--prefetch-arm", type=int, default=0,
+                    help="with --keep-graph: also the NVFP4 arms kept with this rolling L2 prefetch distance (tiles)")
     ap.add_argument("--kernel-variants", default=None,
                     help="comma-separated small-M kernel variants (qerl_cli.kernel.VARIANTS): 7B shapes, NVFP4 "
                          "only, batch 8 and 64, each variant forced in turn (one packed model, one process)")
@@ -305,7 +307,7 @@ def main() -> None:
     elif args.sampler:
         sampler_part(result, rows, save)
     elif args.keep_graph:
-        keep_part(rows, save)
+        keep_part(rows, save, args.prefetch_arm)
     elif args.kernel_variants:
         variants_part(result, rows, save, [v.strip() for v in args.kernel_variants.split(",") if v.strip()])
     elif args.silu_in_kernel:
@@ -365,20 +367,31 @@ def main() -> None:
     print_table(result, rows)
 
 
-def keep_part(rows, save) -> None:
+def keep_part(rows, save, prefetch: int = 0) -> None:
     """Session 25: ``Engine.keep_graph`` (a rollout call of the previous call's shapes replays that call's decode
     graph) against a capture in every call, 7B shapes at batch 8: bf16, then NVFP4 without and with a rank-32
-    adapter, each pair interleaved twice in one process."""
+    adapter, each pair interleaved twice in one process. prefetch > 0 (session 29): the NVFP4 arms also run kept
+    with the stream-K kernels' rolling L2 prefetch at that distance (``kernel.set_v2_prefetch``), in the same
+    rounds."""
+    from qerl_cli import kernel
+
     big = random_model(qwen7b_config())
     for label, kw in (("ours-bf16", {}), ("ours-nvfp4", {}), ("ours-nvfp4 +lora32", {"lora_rank": 32})):
         if label == "ours-nvfp4":
             big = pack_model_inplace(big)
             gc.collect()
             torch.cuda.empty_cache()
+        arms = [(True, 0), (False, 0)] + ([(True, prefetch)] if prefetch and "nvfp4" in label else [])
         for _ in range(2):
-            for keep in (True, False):
-                rows.append({"model": "Qwen2.5-7B-shape", "engine": label + ("" if keep else " capture per call"),
-                             "batch": 8, **time_engine(big, 8, 256, 512, 152064, keep_graph=keep, **kw)})
+            for keep, pf in arms:
+                kernel.set_v2_prefetch(pf)
+                try:
+                    r = time_engine(big, 8, 256, 512, 152064, keep_graph=keep, **kw)
+                finally:
+                    kernel.set_v2_prefetch(0)
+                rows.append({"model": "Qwen2.5-7B-shape", "batch": 8, "v2_prefetch": pf,
+                             "engine": label + ("" if keep else " capture per call") + (f" L2 prefetch {pf}" if pf else ""),
+                             **r})
                 save()
 
 

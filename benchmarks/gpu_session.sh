@@ -789,7 +789,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # session 29: on an H200 (issue 5's 3,000 tok/s target is set there): build, the kept-graph and L2-prefetch
   # GPU tests, the stream-K kernels' rolling L2 prefetch beside cuBLAS at MS (ab_kernel.py --prefetch PFS), then
   # bench_rollout.py --keep-graph (7B shapes, batch 8: bf16, NVFP4, NVFP4 + rank-32 adapter, each kept against a
-  # capture per call, interleaved) on what is left
+  # capture per call, interleaved; the NVFP4 arms also kept with the prefetch at PFARM tiles) on what is left
   sm90_start
   build; stamp 72 "build done"
   COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
@@ -799,7 +799,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     --json "$OUT/ab_prefetch.json" 2>&1 | grep -v Warning | tee "$OUT/ab_prefetch.log"
   stamp 72 "prefetch compared"
   COLUMNS=200 timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 \
-    --json "$OUT/rollout_7b_keep.json" 2>&1 | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
+    --prefetch-arm ${PFARM:-16} --json "$OUT/rollout_7b_keep.json" 2>&1 | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
   stamp 72 "rollouts done"
   ;;
 70)
