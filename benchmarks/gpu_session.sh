@@ -152,8 +152,9 @@
 #   (71)                           session 28, ad-hoc calls on the warm H100 after 70 and the rotary-table fix: the
 #                                  kept-graph test and bench_rollout.py --keep-graph (results/s28/adhoc_*), then the
 #                                  train, LoRA-term, engine, decode-attention and fused GPU test files
-#   72                             session 29: build, the kept-graph and L2-prefetch GPU tests, the rolling L2 prefetch
-#                                  (PFS) beside cuBLAS at MS (1,8,16), bench_rollout.py --keep-graph (7B, batch 8)
+#   72                             session 29: build, the kept-graph and L2-prefetch GPU tests, bench_rollout.py
+#                                  --keep-graph (7B, batch 8; + the rolling L2 prefetch at PFARM), then the prefetch
+#                                  distances PFS beside cuBLAS at MS (1,8,16)
 #   70                             (keep-graph, merged in session 28) part 69's build and engine GPU tests only (little
 #                                  device time); session 28 on an H100 (results/s28/part70_*)
 #   69                             (keep-graph, merged in session 28; prepared in session 25, not yet run as a whole)
@@ -787,20 +788,20 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   ;;
 72)
   # session 29: on an H200 (issue 5's 3,000 tok/s target is set there): build, the kept-graph and L2-prefetch
-  # GPU tests, the stream-K kernels' rolling L2 prefetch beside cuBLAS at MS (ab_kernel.py --prefetch PFS), then
-  # bench_rollout.py --keep-graph (7B shapes, batch 8: bf16, NVFP4, NVFP4 + rank-32 adapter, each kept against a
-  # capture per call, interleaved; the NVFP4 arms also kept with the prefetch at PFARM tiles) on what is left
+  # GPU tests, bench_rollout.py --keep-graph (7B shapes, batch 8: bf16, NVFP4, NVFP4 + rank-32 adapter, each kept
+  # against a capture per call, interleaved; the NVFP4 arms also kept with the stream-K kernels' rolling L2
+  # prefetch at PFARM tiles), then that prefetch beside cuBLAS at MS (ab_kernel.py --prefetch PFS) on what is left
   sm90_start
   build; stamp 72 "build done"
   COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
     tests/test_kernel.py -k "kept_decode_graph or v2_prefetch" > "$OUT/gpu_tests.log" 2>&1
   tail -n 6 "$OUT/gpu_tests.log"; stamp 72 "GPU tests done"
-  timeout 150 python3 benchmarks/ab_kernel.py --prefetch ${PFS:-0,16,32} --ms ${MS:-1,8,16} \
+  COLUMNS=200 timeout 300 python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 --prefetch-arm ${PFARM:-16} \
+    --json "$OUT/rollout_7b_keep.json" 2>&1 | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 72 "rollouts done"
+  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/ab_kernel.py --prefetch ${PFS:-0,16,32} --ms ${MS:-1,8,16} \
     --json "$OUT/ab_prefetch.json" 2>&1 | grep -v Warning | tee "$OUT/ab_prefetch.log"
   stamp 72 "prefetch compared"
-  COLUMNS=200 timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 \
-    --prefetch-arm ${PFARM:-16} --json "$OUT/rollout_7b_keep.json" 2>&1 | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
-  stamp 72 "rollouts done"
   ;;
 70)
   # session 26 (branch keep-graph): part 69's build and engine GPU tests alone, for a call on little device time
