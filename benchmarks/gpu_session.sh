@@ -790,16 +790,18 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # session 29: on an H200 (issue 5's 3,000 tok/s target is set there): build, the kept-graph and L2-prefetch
   # GPU tests, bench_rollout.py --keep-graph (7B shapes, batch 8: bf16, NVFP4, NVFP4 + rank-32 adapter, each kept
   # against a capture per call, interleaved; the NVFP4 arms also kept with the stream-K kernels' rolling L2
-  # prefetch at PFARM tiles), then that prefetch beside cuBLAS at MS (ab_kernel.py --prefetch PFS) on what is left
+  # prefetch at PFARM tiles), then that prefetch beside cuBLAS at MS (ab_kernel.py --prefetch PFS), for at most
+  # T72 (default 585) seconds
   sm90_start
   build; stamp 72 "build done"
   COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
     tests/test_kernel.py -k "kept_decode_graph or v2_prefetch" > "$OUT/gpu_tests.log" 2>&1
   tail -n 6 "$OUT/gpu_tests.log"; stamp 72 "GPU tests done"
-  COLUMNS=200 timeout 300 python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 --prefetch-arm ${PFARM:-16} \
+  left=$(( ${T72:-585} - $(date +%s) + t0 )); [ "$left" -gt 300 ] && left=300
+  COLUMNS=200 timeout "$left" python3 benchmarks/bench_rollout.py --keep-graph --skip-smollm2 --prefetch-arm ${PFARM:-16} \
     --json "$OUT/rollout_7b_keep.json" 2>&1 | tee "$OUT/bench_rollout_7b_keep.log" | grep -v '^{' | grep -v '━\|──'
   stamp 72 "rollouts done"
-  timeout $(( 585 - $(date +%s) + t0 )) python3 benchmarks/ab_kernel.py --prefetch ${PFS:-0,16,32} --ms ${MS:-1,8,16} \
+  timeout $(( ${T72:-585} - $(date +%s) + t0 )) python3 benchmarks/ab_kernel.py --prefetch ${PFS:-0,16,32} --ms ${MS:-1,8,16} \
     --json "$OUT/ab_prefetch.json" 2>&1 | grep -v Warning | tee "$OUT/ab_prefetch.log"
   stamp 72 "prefetch compared"
   ;;
