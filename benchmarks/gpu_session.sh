@@ -154,7 +154,7 @@
 #                                  train, LoRA-term, engine, decode-attention and fused GPU test files
 #   72                             session 29: build, the kept-graph and L2-prefetch GPU tests, bench_rollout.py
 #                                  --keep-graph (7B, batch 8; + the rolling L2 prefetch at PFARM), then the prefetch
-#                                  distances PFS beside cuBLAS at MS (1,8,16)
+#                                  distances PFS beside cuBLAS at MS (1,8,16); 72t: its build and GPU tests only
 #   70                             (keep-graph, merged in session 28) part 69's build and engine GPU tests only (little
 #                                  device time); session 28 on an H100 (results/s28/part70_*)
 #   69                             (keep-graph, merged in session 28; prepared in session 25, not yet run as a whole)
@@ -804,6 +804,14 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   timeout $(( ${T72:-585} - $(date +%s) + t0 )) python3 benchmarks/ab_kernel.py --prefetch ${PFS:-0,16,32} --ms ${MS:-1,8,16} \
     --json "$OUT/ab_prefetch.json" 2>&1 | grep -v Warning | tee "$OUT/ab_prefetch.log"
   stamp 72 "prefetch compared"
+  ;;
+72t)
+  # session 29, on little device time: part 72's build and GPU tests only
+  sm90_start
+  build; stamp 72t "build done"
+  COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    tests/test_kernel.py -k "kept_decode_graph or v2_prefetch" > "$OUT/gpu_tests.log" 2>&1
+  tail -n 8 "$OUT/gpu_tests.log"; stamp 72t "GPU tests done"
   ;;
 70)
   # session 26 (branch keep-graph): part 69's build and engine GPU tests alone, for a call on little device time
