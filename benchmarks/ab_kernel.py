@@ -140,6 +140,10 @@ def compare_prefetch(args) -> int:
     except ValueError:
         print(f"ab_kernel: --prefetch takes whole numbers of tiles, not {args.prefetch!r}", file=sys.stderr)
         return 2
+    if not ext.has_v2_prefetch():
+        print("ab_kernel: this kernel build has no rolling L2 prefetch: add -DQERL_V2_PREFETCH_LOOP to "
+              "QERL_KERNEL_ARCH_FLAGS", file=sys.stderr)
+        return 2
     ext.set_variant(3)
     before = int(ext.get_v2_prefetch())
     return compare_settings(args, {f"pf{d}": (lambda d=d: kernel.set_v2_prefetch(d)) for d in dists},

@@ -738,11 +738,14 @@ template <int TG, int R, int D, int KCH, int NACC, int MINB, int NW, bool PAIR =
 __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
     const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int flags, LoraAug la) {
-  // flags: bit 0 the batched stream-K fixup (fixup_for), bits 8-15 the K loop's L2 prefetch distance in tiles
-  // (0: only the PDL prologue's first kPrefetchTiles; v2_flags)
+    int* __restrict__ counters, int M, int N, int K, int NT, int KT, int RG, int batched_fixup, LoraAug la) {
   constexpr int pair = PAIR ? 1 : 0;
-  const int batched_fixup = flags & 1, pf_ahead = (flags >> 8) & 0xff;
+#ifdef QERL_V2_PREFETCH_LOOP
+  // (a build with the rolling L2 prefetch: batched_fixup's bits 8-15 are the K loop's prefetch distance in tiles,
+  // 0 only the PDL prologue's first kPrefetchTiles; v2_flags)
+  const int pf_ahead = (batched_fixup >> 8) & 0xff;
+  batched_fixup &= 1;
+#endif
   QERL_TL_BEGIN
 #ifdef QERL_TIMELINE
   unsigned int tl_fixups = 0;
@@ -888,6 +891,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
       __syncthreads();
       const uint32_t lrow = xs_base + (uint32_t)((c & 1) * CHUNK * 2);
       const int cbase = kt0 + c * KCH;
+#ifdef QERL_V2_PREFETCH_LOOP
       if (pf_ahead > 0 && lane == 0) {
         // rolling L2 prefetch: this chunk's tiles pf_ahead ahead (at the first chunk also those between the end
         // of the prologue's prefetch, or the segment start, and there): more bytes in flight than the D register
@@ -901,6 +905,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) nvfp4_mma_v2_kernel(
               qerl_pdl::prefetch_l2(pc[r] + (size_t)(lo - cbase) * kRecordBytes, (uint32_t)((hi - lo) * kRecordBytes));
         }
       }
+#endif
       if (cbase + KCH + D <= kt1) {
         static_for<0, KCH>([&](auto ii) {
           constexpr int i = decltype(ii)::value;
@@ -1628,9 +1633,16 @@ static int g_fixup = [] {
 // down 18.3 against 19.6 us); batched from M = 8 on, 2-8 % faster (M = 8: 7B down 20.8 against 22.6, 32B q/k/v
 // 13.1 against 14.3; M = 16: 7B gate_up 33.8 against 35.6); M = 4 was a wash.
 static int fixup_for(int64_t M) { return g_fixup ? (g_fixup == 1 ? 1 : 0) : (M > 2 ? 1 : 0); }
-// the K loop's rolling L2 prefetch distance of the stream-K kernels, in tiles (0: off; set_v2_prefetch)
+// the K loop's rolling L2 prefetch distance of the stream-K kernels, in tiles (0: off; set_v2_prefetch), in a
+// build with -DQERL_V2_PREFETCH_LOOP only (session 29, not yet measured: the default build's kernels stay the
+// measured ones, instruction for instruction)
 static int g_v2_prefetch = 0;
-// the stream-K kernel's flags argument (fixup mode and prefetch distance)
+#ifdef QERL_V2_PREFETCH_LOOP
+constexpr bool kV2PrefetchBuilt = true;
+#else
+constexpr bool kV2PrefetchBuilt = false;
+#endif
+// the stream-K kernel's batched_fixup argument: the fixup mode, and in a prefetch build the distance in bits 8-15
 static int v2_flags(int64_t M) { return fixup_for(M) | (g_v2_prefetch << 8); }
 static int64_t g_split_override = 0;  // > 0: that K split (tests, benchmarks)
 static int64_t g_v2_grid = 0;  // > 0: the stream-K kernel's CTA count (probes; at most its units), 0: chosen per shape
@@ -2429,6 +2441,8 @@ void set_v2_aligned(bool on) { g_v2_aligned = on ? 1 : 0; }
 void set_v2_cluster(bool on) { g_v2_cluster = on ? 1 : 0; }
 void set_v2_prefetch(int64_t tiles) {
   TORCH_CHECK(tiles >= 0 && tiles <= 255, "qerl: the L2 prefetch distance must be 0 ... 255 tiles");
+  TORCH_CHECK(tiles == 0 || kV2PrefetchBuilt,
+              "qerl: this kernel build has no rolling L2 prefetch (add -DQERL_V2_PREFETCH_LOOP to QERL_KERNEL_ARCH_FLAGS)");
   g_v2_prefetch = (int)tiles;
 }
 void set_fixup(int64_t v) {
@@ -2512,6 +2526,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_v2_prefetch", &qerl::set_v2_prefetch,
         "the stream-K kernels' rolling L2 prefetch distance in K tiles (0: off, the default)");
   m.def("get_v2_prefetch", [] { return (int64_t)qerl::g_v2_prefetch; });
+  m.def("has_v2_prefetch", [] { return qerl::kV2PrefetchBuilt; },
+        "whether this build has the stream-K kernels' rolling L2 prefetch (-DQERL_V2_PREFETCH_LOOP)");
   m.def("last_v2_cluster", [] { return (int64_t)qerl::g_last_v2_cluster; },
         "cluster size of the last stream-K launch (0: none)");
   m.def("set_v2_grid", &qerl::set_v2_grid, "force the stream-K kernel's CTA count (0: chosen per shape; probes)");

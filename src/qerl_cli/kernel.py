@@ -277,7 +277,10 @@ def set_v2_prefetch(tiles: int) -> None:
     """The stream-K kernels' rolling L2 prefetch (``QERL_KERNEL_V2_PREFETCH``; default 0, off): each warp's lane 0
     asks L2 for its row block's K tiles ``tiles`` ahead of the chunk it computes (``cp.async.bulk.prefetch.L2``),
     beyond the PDL prologue's first 16, so more of the weight is in flight than the register tiles hold. Values
-    are unchanged (bit-identical outputs, tested); only the timing changes. A no-op without the CUDA extension."""
+    are unchanged (bit-identical outputs, tested); only the timing changes. Only in a build with
+    ``-DQERL_V2_PREFETCH_LOOP`` in ``QERL_KERNEL_ARCH_FLAGS`` (session 29, not yet measured; the default build's
+    kernels are the measured ones): elsewhere a distance above 0 raises RuntimeError. A no-op without the CUDA
+    extension."""
     tiles = int(tiles)
     if not 0 <= tiles <= 255:
         raise ValueError(f"the L2 prefetch distance must be 0 ... 255 tiles, not {tiles}")
