@@ -195,3 +195,53 @@ def test_training_on_an_awq_folded_model_saves_source_coordinates_and_resumes_ex
     shutil.copytree(old, third_party)
     (third_party / "trainer_state.json").unlink()
     assert load_lora(third_party, folded).source is not None
+
+
+def _trained_on_folded(folded):
+    """peft-wrapped copy of ``folded`` with random B factors and one AdamW step taken (optimizer state)."""
+    from qerl_cli import lora as lora_mod
+
+    pm = lora_mod.wrap(copy.deepcopy(folded), 4, 8)
+    pm.get_base_model().qerl_folding = folded.qerl_folding
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    params = [p for _, p in lora_mod.trainable(pm)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    pm(torch.tensor([[1, 5, 9, 200]])).logits.square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return pm, opt
+
+
+def test_resuming_an_older_unmarked_checkpoint_on_an_awq_pack_is_exact(base, tmp_path):
+    """A train checkpoint of a qerl before session 28 holds the factors as they trained on the AWQ pack (its
+    pack's coordinates, no marker, no param.* copies): --resume of that unfinished run (same key: same pack) must
+    continue from those factors, not fold them a second time as if they were the source model's."""
+    import json
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    from qerl_cli import artifact, names, train
+    from qerl_cli import lora as lora_mod
+
+    _, folded = _folded(base, 4)
+    pm, opt = _trained_on_folded(folded)
+    trained = {k: v.clone() for k, v in get_peft_model_state_dict(pm).items()}
+    run = tmp_path / "run"
+    run.mkdir()
+    d = train._save_step(run, 2, pm, opt, 0, 1)
+    # what the older qerl wrote: the adapter as trained (folded), unmarked; the optimizer state only
+    save_file({k: v.contiguous() for k, v in trained.items()}, str(d / names.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    flat = load_file(str(d / names.OPTIMIZER_STATE))
+    save_file({k: v for k, v in flat.items() if k.startswith("state.")}, str(d / names.OPTIMIZER_STATE))
+    (d / names.STEP_HASHES).write_text(json.dumps(
+        {names.K_FILES: artifact.list_files(d, skip=names.STEP_HASHES)}, indent=1) + "\n")
+    pm2 = lora_mod.wrap(copy.deepcopy(folded), 4, 8, seed=5)
+    pm2.get_base_model().qerl_folding = folded.qerl_folding
+    opt2 = torch.optim.AdamW([p for _, p in lora_mod.trainable(pm2)], lr=1e-3)
+    train._load_step(d, pm2, opt2)
+    got = get_peft_model_state_dict(pm2)
+    assert all(torch.equal(got[k], trained[k]) for k in trained)
