@@ -187,6 +187,7 @@ def test_training_on_an_awq_folded_model_saves_source_coordinates_and_resumes_ex
     old = tmp_path / "old-step"
     shutil.copytree(tmp_path / "ad", old)
     (old / "trainer_state.json").write_text("{}")
+    save_file({"state.0.step": torch.zeros(())}, str(old / "optimizer.safetensors"))  # (as every qerl checkpoint)
     save_file(load_file(str(old / ADAPTER_WEIGHTS)), str(old / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with pytest.raises(QerlError, match="saved by a qerl before session 28"):
         load_lora(old, folded)
@@ -194,6 +195,7 @@ def test_training_on_an_awq_folded_model_saves_source_coordinates_and_resumes_ex
     third_party = tmp_path / "peft-made"  # (no trainer_state.json: a PEFT adapter, the source model's by definition)
     shutil.copytree(old, third_party)
     (third_party / "trainer_state.json").unlink()
+    (third_party / "optimizer.safetensors").unlink()
     assert load_lora(third_party, folded).source is not None
 
 
@@ -245,3 +247,25 @@ def test_resuming_an_older_unmarked_checkpoint_on_an_awq_pack_is_exact(base, tmp
     train._load_step(d, pm2, opt2)
     got = get_peft_model_state_dict(pm2)
     assert all(torch.equal(got[k], trained[k]) for k in trained)
+
+
+def test_a_transformers_trainer_checkpoint_is_a_peft_adapter_on_an_awq_pack(base, tmp_path):
+    """transformers' / TRL's Trainer writes PEFT adapters into checkpoint-N/ dirs beside its own trainer_state.json
+    (and optimizer.pt, scheduler.pt): a third-party adapter in the source model's coordinates, not an older qerl
+    checkpoint, so an AWQ pack takes it (folded) rather than refusing it as 'saved by a qerl before session 28'."""
+    import json
+
+    plain, folded = _folded(base, 4)
+    ck = tmp_path / "checkpoint-500"
+    _save(plain, ck, r=4, lora_alpha=8, target_modules=PROJ)
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 500, "log_history": [], "best_metric": None}))
+    torch.save({}, ck / "optimizer.pt")
+    torch.save({}, ck / "scheduler.pt")
+    lora = load_lora(ck, folded)
+    assert lora.source is not None
+    # a qerl checkpoint (its optimizer.safetensors beside trainer_state.json) without the marker is still refused
+    from safetensors.torch import save_file
+
+    save_file({"state.0.step": torch.zeros(())}, str(ck / "optimizer.safetensors"))
+    with pytest.raises(QerlError, match="saved by a qerl before session 28"):
+        load_lora(ck, folded)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from . import names
 from .artifact import sha256_file, sha256_json
 from .engine import PROJECTIONS, LoRA
 from .errors import QerlError
@@ -208,10 +209,13 @@ def load_lora(path: str | Path, model) -> LoRA:
 
 def _unmarked_qerl_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a train checkpoint of a qerl older than session 28, whose factors are in the
-    coordinates of the pack it trained on (folded, where that was an AWQ pack), not the source model's."""
+    coordinates of the pack it trained on (folded, where that was an AWQ pack), not the source model's. A qerl
+    checkpoint has its ``trainer_state.json`` beside an ``optimizer.safetensors`` (``train._save_step``, since the
+    first qerl); transformers' and TRL's Trainer also write a ``trainer_state.json`` into their PEFT checkpoints
+    (with ``optimizer.pt``): those adapters are third-party ones, in the source model's coordinates."""
     from safetensors import safe_open
 
-    if not (path / "trainer_state.json").is_file():
+    if not ((path / names.TRAINER_STATE).is_file() and (path / names.OPTIMIZER_STATE).is_file()):
         return False
     with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as f:
         return (f.metadata() or {}).get(COORDINATES_KEY) != SOURCE_COORDINATES
