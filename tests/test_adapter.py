@@ -269,3 +269,19 @@ def test_a_transformers_trainer_checkpoint_is_a_peft_adapter_on_an_awq_pack(base
     save_file({"state.0.step": torch.zeros(())}, str(ck / "optimizer.safetensors"))
     with pytest.raises(QerlError, match="saved by a qerl before session 28"):
         load_lora(ck, folded)
+
+
+def test_the_older_checkpoint_refusal_says_how_to_train_again(base, tmp_path):
+    """The run that wrote an older unmarked checkpoint is finished under the same key (the train key did not
+    change), so `qerl train` with its command again is a cache hit ("up to date; nothing to do"): the refusal's
+    remedy must name --force, or following it does nothing."""
+    from safetensors.torch import save_file
+
+    plain, folded = _folded(base, 4)
+    old = tmp_path / "step-00000010"
+    _save(plain, old, r=4, lora_alpha=8, target_modules=PROJ)
+    (old / "trainer_state.json").write_text("{}")
+    save_file({"state.0.step": torch.zeros(())}, str(old / "optimizer.safetensors"))
+    with pytest.raises(QerlError, match="saved by a qerl before session 28") as e:
+        load_lora(old, folded)
+    assert "--force" in str(e.value) and str(e.value).count(". ") == 0

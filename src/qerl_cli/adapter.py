@@ -240,6 +240,7 @@ def fit_lora(lora: LoRA, model, path: str | Path) -> None:
     if folds and getattr(lora, "unmarked_qerl_checkpoint", False):
         raise QerlError(f"adapter {path} was saved by a qerl before session 28, in the coordinates of the pack it "
                         "trained on, which this AWQ pack cannot tell apart from the source model's; train it again "
-                        "with this qerl.")
+                        "with this qerl (its train command with --force: without it, that command is a cache hit "
+                        "on the old run).")
     lora.factors = fold_factors(source, folds) if folds else source
     lora.source = source if folds else None
