@@ -153,12 +153,7 @@ def test_training_on_an_awq_folded_model_saves_source_coordinates_and_resumes_ex
     from qerl_cli import lora as lora_mod
 
     plain, folded = _folded(base, 4)
-    pm = lora_mod.wrap(copy.deepcopy(folded), 4, 8)
-    pm.get_base_model().qerl_folding = folded.qerl_folding
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
+    pm = _wrapped_on_folded(folded)
     lora_mod.save_adapter(pm, tmp_path / "ad")
     ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
     with torch.no_grad():
@@ -199,8 +194,8 @@ def test_training_on_an_awq_folded_model_saves_source_coordinates_and_resumes_ex
     assert load_lora(third_party, folded).source is not None
 
 
-def _trained_on_folded(folded):
-    """peft-wrapped copy of ``folded`` with random B factors and one AdamW step taken (optimizer state)."""
+def _wrapped_on_folded(folded):
+    """peft-wrapped copy of ``folded`` (its folds attached) with random B factors."""
     from qerl_cli import lora as lora_mod
 
     pm = lora_mod.wrap(copy.deepcopy(folded), 4, 8)
@@ -209,6 +204,14 @@ def _trained_on_folded(folded):
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.2)
+    return pm
+
+
+def _trained_on_folded(folded):
+    """``_wrapped_on_folded`` with one AdamW step taken (optimizer state)."""
+    from qerl_cli import lora as lora_mod
+
+    pm = _wrapped_on_folded(folded)
     params = [p for _, p in lora_mod.trainable(pm)]
     opt = torch.optim.AdamW(params, lr=1e-3)
     pm(torch.tensor([[1, 5, 9, 200]])).logits.square().mean().backward()
