@@ -182,7 +182,7 @@ def test_kernel_runs_need_a_verify_of_the_kernel(pipeline, tmp_path, monkeypatch
 
     build = {"sources": "0123", "arch_flags": ["-gencode=arch=compute_90a,code=sm_90a"],
              "gpu": {"capability": "9.0", "sms": 132}}
-    monkeypatch.setattr(kernel, "build_identity", lambda: build)
+    monkeypatch.setattr(kernel, "build_identity", lambda device=None: build)
     artifact.run_stage(names.KIND_VERIFY, v, {"backend": "cuda-kernel", "kernel_build": build},
                        [packed.as_input(v)], body)
     # a verify of the kernel does not need to ask whether the kernel builds (a cache hit builds nothing)
@@ -192,10 +192,10 @@ def test_kernel_runs_need_a_verify_of_the_kernel(pipeline, tmp_path, monkeypatch
     assert rollout.require_verified(packed, v, "cuda")
     # (session 28) a verify of another build: changed kernel sources, or another GPU (its grids differ)
     for other in ({**build, "sources": "4567"}, {**build, "gpu": {"capability": "9.0", "sms": 114}}):
-        monkeypatch.setattr(kernel, "build_identity", lambda: other)
+        monkeypatch.setattr(kernel, "build_identity", lambda device=None: other)
         with pytest.raises(QerlError, match="verified another build of the CUDA kernel"):
             rollout.require_verified(packed, v, "cuda")
-    monkeypatch.setattr(kernel, "build_identity", lambda: build)
+    monkeypatch.setattr(kernel, "build_identity", lambda device=None: build)
     monkeypatch.setenv("QERL_KERNEL_VARIANT", "v2")
     with pytest.raises(QerlError, match="other kernel switches"):
         rollout.require_verified(packed, v, "cuda")
@@ -214,6 +214,23 @@ def test_the_kernel_build_identity_follows_every_cuda_source(tmp_path, monkeypat
         now = kernel.build_identity()
         assert now["sources"] != first["sources"]
         first = now
+
+
+def test_the_kernel_build_identity_describes_the_runs_gpu(monkeypatch):
+    """The GPU a verify or a run records is the one it runs on ("cuda:1"), not whichever device is current; a
+    device without an index ("cuda") is the current one."""
+    from types import SimpleNamespace
+
+    from qerl_cli import kernel
+
+    props = {0: SimpleNamespace(major=9, minor=0, multi_processor_count=132),
+             1: SimpleNamespace(major=8, minor=0, multi_processor_count=108)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    assert kernel.build_identity("cuda:1")["gpu"] == {"capability": "8.0", "sms": 108}
+    assert kernel.build_identity(torch.device("cuda", 1))["gpu"] == {"capability": "8.0", "sms": 108}
+    assert kernel.build_identity("cuda")["gpu"] == kernel.build_identity()["gpu"] == {"capability": "9.0", "sms": 132}
 
 
 @pytest.mark.parametrize("text,expected", [

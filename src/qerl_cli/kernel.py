@@ -144,11 +144,12 @@ def build_extension(name: str, filename: str, timeline: bool = False):
                 extra_cflags=["-O3"], verbose=bool(os.environ.get("QERL_KERNEL_VERBOSE")))
 
 
-def build_identity() -> dict:
+def build_identity(device: str | torch.device | None = None) -> dict:
     """What a verify of the kernel checked, which a run on the kernel must still have (``rollout.require_verified``):
-    a digest of the CUDA sources the extensions build from (``csrc/*.cu``, ``*.cuh``), the arch flags, the GPU's
-    compute capability and SM count (the per-shape grids and split-K sums follow from those), and the torch and
-    CUDA versions the extension builds against. Builds nothing."""
+    a digest of the CUDA sources the extensions build from (``csrc/*.cu``, ``*.cuh``), the arch flags, the compute
+    capability and SM count of the GPU the run uses (``device``, e.g. ``"cuda:1"``; the current CUDA device where
+    it names none: the per-shape grids and split-K sums follow from those), and the torch and CUDA versions the
+    extension builds against. Builds nothing."""
     src = _source()
     files = sorted(src.parent.glob("*.cu")) + sorted(src.parent.glob("*.cuh")) if src is not None else []
     digest = hashlib.sha256(b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in files)).hexdigest()[:16] \
@@ -156,7 +157,9 @@ def build_identity() -> dict:
     arch = os.environ.get("QERL_KERNEL_ARCH_FLAGS")
     gpu = None
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        d = torch.device(device) if device is not None else None
+        idx = d.index if d is not None and d.type == "cuda" and d.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
         gpu = {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count}
     return {"sources": digest, "arch_flags": arch.split() if arch else list(_DEFAULT_ARCH_FLAGS), "gpu": gpu,
             "torch": torch.__version__, "cuda": torch.version.cuda}

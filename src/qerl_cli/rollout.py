@@ -104,7 +104,7 @@ def require_verified(packed: artifact.Artifact, verify_dir: str | Path | None, d
                             f"({then or 'none set'}) than this run's ({now or 'none set'}); {hint}.")
         from . import kernel
 
-        then, now = v.config.get("kernel_build"), kernel.build_identity()
+        then, now = v.config.get("kernel_build"), kernel.build_identity(device)
         if then != now:
             what = [k for k in now if (then or {}).get(k) != now[k]] if isinstance(then, dict) else ["the record"]
             raise QerlError(f"{cand} verified another build of the CUDA kernel than this run's ({', '.join(what)} "

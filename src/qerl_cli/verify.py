@@ -334,7 +334,7 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
     if backend == "cuda-kernel":  # (in the key: a changed kernel source or another GPU is a new verify)
         from . import kernel
 
-        conf["kernel_build"] = kernel.build_identity()
+        conf["kernel_build"] = kernel.build_identity(cfg.device)
 
     def body(tmp: Path) -> dict:
         from transformers import AutoTokenizer
