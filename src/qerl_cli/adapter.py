@@ -207,18 +207,24 @@ def load_lora(path: str | Path, model) -> LoRA:
     return lora
 
 
+def marked_source(weights: str | Path) -> bool:
+    """Whether an adapter weights file says it holds the source model's coordinates (``COORDINATES_KEY``, written
+    by ``lora.save_adapter`` since session 28)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        return (f.metadata() or {}).get(COORDINATES_KEY) == SOURCE_COORDINATES
+
+
 def _unmarked_qerl_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a train checkpoint of a qerl older than session 28, whose factors are in the
     coordinates of the pack it trained on (folded, where that was an AWQ pack), not the source model's. A qerl
     checkpoint has its ``trainer_state.json`` beside an ``optimizer.safetensors`` (``train._save_step``, since the
     first qerl); transformers' and TRL's Trainer also write a ``trainer_state.json`` into their PEFT checkpoints
     (with ``optimizer.pt``): those adapters are third-party ones, in the source model's coordinates."""
-    from safetensors import safe_open
-
     if not ((path / names.TRAINER_STATE).is_file() and (path / names.OPTIMIZER_STATE).is_file()):
         return False
-    with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as f:
-        return (f.metadata() or {}).get(COORDINATES_KEY) != SOURCE_COORDINATES
+    return not marked_source(path / ADAPTER_WEIGHTS)
 
 
 def fit_lora(lora: LoRA, model, path: str | Path) -> None:

@@ -169,18 +169,13 @@ def load_adapter_weights(pm, path: str | Path, exact: dict[str, torch.Tensor] | 
     before session 28, which kept no ``exact`` copy) holds the factors as they trained, in the coordinates of the
     pack the run trains on (the run's key pins it): loaded unchanged, never folded a second time."""
     from peft import set_peft_model_state_dict
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from .adapter import ADAPTER_WEIGHTS, COORDINATES_KEY, SOURCE_COORDINATES, model_folding
+    from .adapter import ADAPTER_WEIGHTS, marked_source, model_folding
 
     f = Path(path) / ADAPTER_WEIGHTS
-    if exact:
-        sd = exact
-    else:
-        with safe_open(str(f), "pt") as h:
-            marked = (h.metadata() or {}).get(COORDINATES_KEY) == SOURCE_COORDINATES
-        sd = refold(load_file(str(f)), model_folding(pm.get_base_model()) if marked else {}, to_model=True)
+    sd = exact if exact else refold(load_file(str(f)), model_folding(pm.get_base_model()) if marked_source(f) else {},
+                                    to_model=True)
     res = set_peft_model_state_dict(pm, sd)
     bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
     if bad:
