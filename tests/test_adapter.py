@@ -288,3 +288,34 @@ def test_the_older_checkpoint_refusal_says_how_to_train_again(base, tmp_path):
     with pytest.raises(QerlError, match="saved by a qerl before session 28") as e:
         load_lora(old, folded)
     assert "--force" in str(e.value) and str(e.value).count(". ") == 0
+
+
+def test_the_folded_adapter_copy_for_vllm_means_the_same_policy_on_the_folded_checkpoint(base, tmp_path):
+    """vLLM runs the AWQ-folded checkpoint and applies the adapter it is given as PEFT does, unchanged:
+    write_folded_adapter's copy, applied that way to the folded model, computes what the source adapter does on
+    the source model (the source file applied unchanged would not), and the source file is left as it was."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from qerl_cli.adapter import ADAPTER_WEIGHTS
+    from qerl_cli.lora import write_folded_adapter
+
+    plain, folded = _folded(base, 4)
+    _save(plain, tmp_path / "ad", r=4, lora_alpha=8, target_modules=PROJ)
+    before = load_file(str(tmp_path / "ad" / ADAPTER_WEIGHTS))
+    copy_dir = write_folded_adapter(tmp_path / "ad", folded.qerl_folding)
+    try:
+        ids = torch.tensor([[1, 5, 9, 200, 17, 3], [4, 4, 80, 2, 99, 250]])
+        with torch.no_grad():
+            untouched = plain(ids).logits
+            want = PeftModel.from_pretrained(copy.deepcopy(plain), str(tmp_path / "ad")).eval()(ids).logits
+            got = PeftModel.from_pretrained(copy.deepcopy(folded), copy_dir).eval()(ids).logits
+            naive = PeftModel.from_pretrained(copy.deepcopy(folded), str(tmp_path / "ad")).eval()(ids).logits
+        effect = (want - untouched).abs().max()
+        assert effect > 0.1
+        assert (got - want).abs().max() < 1e-4 * effect
+        assert (naive - want).abs().max() > 0.05 * effect  # (the folds matter: without them, another policy)
+        after = load_file(str(tmp_path / "ad" / ADAPTER_WEIGHTS))
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        shutil.rmtree(copy_dir)
