@@ -788,6 +788,13 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
   ;;
+74)
+  # session 30: the default build, then every GPU test (-m gpu over tests/), for at most T74 (default 560) seconds
+  sm90_start
+  build; stamp 74 "build done"
+  COLUMNS=200 timeout $(( ${T74:-560} - $(date +%s) + t0 )) python3 -m pytest -m gpu -q -p no:cacheprovider -rfs \
+    --tb=short tests/ > "$OUT/gpu_tests_all.log" 2>&1; tail -n 25 "$OUT/gpu_tests_all.log"; stamp 74 "GPU tests done"
+  ;;
 72)
   # session 29: on an H200 (issue 5's 3,000 tok/s target is set there), the default build: the kept-graph GPU
   # test, then bench_rollout.py --keep-graph (7B shapes, batch 8: bf16, NVFP4, NVFP4 + rank-32 adapter, each kept
