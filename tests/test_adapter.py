@@ -319,3 +319,26 @@ def test_the_folded_adapter_copy_for_vllm_means_the_same_policy_on_the_folded_ch
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     finally:
         shutil.rmtree(copy_dir)
+
+
+def test_train_logs_the_adapter_norm_in_the_saved_files_coordinates(base, tmp_path):
+    """train's adapter_norm is the norm of what the adapter file holds (the source model's coordinates), so the same
+    adapter logs the same norm on an AWQ pack and elsewhere; the factors as trained on the folded model differ."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from qerl_cli import lora as lora_mod
+    from qerl_cli.adapter import ADAPTER_WEIGHTS
+
+    _, folded = _folded(base, 4)
+    pm = _wrapped_on_folded(folded)
+    lora_mod.save_adapter(pm, tmp_path / "ad")
+    saved = math.sqrt(sum(float(t.double().pow(2).sum())
+                          for t in load_file(str(tmp_path / "ad" / ADAPTER_WEIGHTS)).values()))
+    as_trained = math.sqrt(sum(float(p.double().pow(2).sum()) for _, p in lora_mod.trainable(pm)))
+    assert abs(as_trained - saved) > 0.01 * saved
+    assert lora_mod.source_norm(pm) == pytest.approx(saved, rel=1e-6)
+    plain_pm = lora_mod.wrap(copy.deepcopy(base), 4, 8)  # (no folds: the factors as they are)
+    assert lora_mod.source_norm(plain_pm) == pytest.approx(
+        math.sqrt(sum(float(p.double().pow(2).sum()) for _, p in lora_mod.trainable(plain_pm))), rel=1e-9)

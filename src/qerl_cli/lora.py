@@ -15,6 +15,8 @@ On an AWQ pack the factors train in the pack's folded coordinates; the file hold
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from pathlib import Path
 
@@ -144,6 +146,18 @@ def write_folded_adapter(path: str | Path, folds: dict[str, torch.Tensor]) -> st
     save_file(refold(load_file(str(Path(path) / ADAPTER_WEIGHTS)), folds, to_model=True), str(dest / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     return str(dest)
+
+
+def source_norm(pm) -> float:
+    """The L2 norm of the wrapped model's LoRA factors in the source model's coordinates, as the saved adapter file
+    holds them (train's ``adapter_norm``): the same number for the same adapter on an AWQ pack or any other."""
+    from peft import get_peft_model_state_dict
+
+    from .adapter import model_folding
+
+    with torch.no_grad():
+        sd = refold(get_peft_model_state_dict(pm), model_folding(pm.get_base_model()), to_model=False)
+        return math.sqrt(sum(float(t.double().pow(2).sum()) for k, t in sd.items() if "lora_" in k))
 
 
 def save_adapter(pm, path: str | Path) -> None:

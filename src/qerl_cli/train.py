@@ -786,8 +786,7 @@ class Trainer:
         ext_max = dist.sums({"max": rmax if math.isfinite(rmax) else -math.inf}, "max")
         n, tok = max(s["rows"], 1), max(s["tokens"], 1)
         rmean = s["r"] / n
-        with torch.no_grad():
-            anorm = math.sqrt(sum(float(p.double().pow(2).sum()) for p in self.params))
+        anorm = lora.source_norm(self.pm)  # (the saved file's coordinates: comparable between AWQ and RTN packs)
         check_diverged(anorm, step + 1, lr)
         time_step = time.perf_counter() - t_step
         m = {
