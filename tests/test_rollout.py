@@ -247,6 +247,21 @@ def test_answer_extraction(text, expected):
         assert tasks.parse_number(got) == tasks.parse_number(expected)
 
 
+@pytest.mark.parametrize("completion,gold", [
+    (r"so she pays \boxed{\$18}", "18"), (r"\boxed{1{,}080}", "1,080"), (r"\boxed{\$1,080.00}", "1080"),
+    (r"\boxed{-\frac{1}{2}}", "-1/2"), (r"\boxed{-\dfrac{3}{4}}", "-0.75"), (r"\boxed{18\%}", "18"),
+    (r"\boxed{18 \text{ apples}}", "18"), (r"\boxed{\text{18}}", "18"), (r"\boxed{10\,000}", "10000"),
+    (r"\boxed{10,\!000}", "10,000"), (r"\boxed{\textbf{42}}", "42"), (r"\boxed{5 \text{dollars}}", "5"),
+])
+def test_boxed_latex_answers_match_without_math_verify(completion, gold, monkeypatch):
+    """(review-b) the built-in checker (math-verify is optional) read a correct LaTeX answer as wrong: an escaped
+    dollar, a {,} or \\! thousands separator, a signed \\frac, a percent sign or a \\text{} unit."""
+    monkeypatch.setattr(tasks, "_math_verify", lambda: None)
+    o = tasks.score(completion, gold, truncated=False)
+    assert o.status == tasks.CORRECT, (completion, o)
+    assert tasks.score(completion, "19", truncated=False).status == tasks.WRONG
+
+
 def test_scoring_statuses():
     assert tasks.score("3 + 4 = 7. #### 7", "7", truncated=False).status == tasks.CORRECT
     assert tasks.score("#### 8", "7", truncated=False).status == tasks.WRONG
@@ -367,7 +382,7 @@ def test_answer_checker_is_recorded_and_keyed(pipeline, tmp_path, monkeypatch):
     assert tasks.answer_checker() == tasks.NUMERIC_CHECKER  # (math-verify is not installed here)
     kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
     a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
-    assert a.config["verifier"]["checker"] == {"name": "qerl.parse_number", "version": "1"}
+    assert a.config["verifier"]["checker"] == {"name": "qerl.parse_number", "version": "2"}
     assert json.loads(a.file(names.ROLLOUT_META).read_text())["verifier"] == a.config["verifier"]
     _fake_math_verify(monkeypatch)
     assert tasks.answer_checker() == {"name": "math-verify", "version": "9.9.9"}

@@ -24,13 +24,28 @@ _ANY_NUM = re.compile(_NUM + r"(?:\s*/\s*\d+)?")
 _FRAC = re.compile(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
 
 
+_TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\{([^{}]*)\}")
+_LATEX_SPACE = re.compile(r"\\[,!;: ]|~")
+
+
+def _plain(text: str) -> str:
+    """A boxed LaTeX answer as plain text: ``\\$`` and ``\\%`` dropped, ``{,}`` a comma, thin spaces (``\\,``
+    ``\\!``) gone, ``\\text{..}`` unwrapped, and a unit word after the number dropped (``18 \\text{ apples}``)."""
+    s = _LATEX_SPACE.sub("", text.replace("{,}", ",").replace("\\$", "$").replace("\\%", "%"))
+    s = _TEXT.sub(r" \1 ", s).strip().rstrip("%").strip()
+    m = re.fullmatch(r"(.*?\d\}?)\s+[A-Za-z]{2,}[A-Za-z ]*", s)  # (a number, then only words: the unit)
+    return m.group(1) if m and not s.startswith("\\") else s
+
+
 def parse_number(text: str) -> Fraction | None:
-    """``"$1,080.00"`` → 1080, ``"\\frac{1}{2}"`` → 1/2, ``"3/4"`` → 3/4, ``"-7"`` → -7; None if not a number."""
-    s = text.strip().rstrip(".").strip()
-    m = _FRAC.fullmatch(s)
+    """``"$1,080.00"`` → 1080, ``"\\frac{1}{2}"`` → 1/2, ``"3/4"`` → 3/4, ``"-7"`` → -7; None if not a number.
+    LaTeX of a boxed answer reads as its text: ``\\$18``, ``1{,}080``, ``-\\frac{1}{2}``, ``18\\%``, ``5 \\text{ cm}``."""
+    s = _plain(text.strip().rstrip(".")).rstrip(".").strip()
+    sign, body = (-1, s[1:].strip()) if s.startswith("-\\") else (1, s)
+    m = _FRAC.fullmatch(body)
     if m:
         try:
-            return Fraction(m.group(1)) / Fraction(m.group(2))
+            return sign * Fraction(m.group(1)) / Fraction(m.group(2))
         except (ValueError, ZeroDivisionError):
             return None
     s = s.replace("$", "").replace(",", "").replace(" ", "")
@@ -65,7 +80,7 @@ def gold_answer(answer_field: str) -> str:
 
 
 # the built-in checker's rules (parse_number, then exact string match): bump when they change
-NUMERIC_CHECKER = {"name": "qerl.parse_number", "version": "1"}
+NUMERIC_CHECKER = {"name": "qerl.parse_number", "version": "2"}  # 2: LaTeX in a boxed answer
 
 
 @functools.lru_cache(maxsize=1)
