@@ -374,3 +374,20 @@ def test_aqn_at_evaluation_is_applied_and_recorded(packed, tmp_path):
 
     assert completions(clean) != completions(noisy)  # the noise reached the policy that generates
     assert json.loads(noisy.file(names.EVAL_SUMMARY).read_text())["policy"]["aqn"] == {"sigma": 2.0, "seed": 3}
+
+
+def test_greedy_eval_ignores_seed_and_top_p_in_its_key(packed, tmp_path, monkeypatch):
+    """(review-b) greedy without AQN draws nothing: --seed and --top-p do not change a token, so changing them
+    must neither recompute nor refuse the output as "a different artifact"; under sampling they still count."""
+    from qerl_cli import packed_model
+
+    kw = dict(num_examples=2, max_new_tokens=2, progress=False)
+    a = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "g", seed=0, **kw)
+    real_load = packed_model.load_packed_model
+    monkeypatch.setattr(packed_model, "load_packed_model", lambda *a, **k: pytest.fail("greedy rerun recomputed"))
+    assert evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "g", seed=7, top_p=0.5, **kw).digest == a.digest
+    monkeypatch.setattr(packed_model, "load_packed_model", real_load)
+    s1 = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "s1", seed=0, temperature=1.0, **kw)
+    s2 = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "s2", seed=7, temperature=1.0, **kw)
+    n1 = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "n1", seed=7, sigma=0.01, **kw)
+    assert len({a.key, s1.key, s2.key, n1.key}) == 4  # sampling or AQN: the seed is part of the policy
