@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 
 import pytest
 
@@ -391,3 +392,22 @@ def test_greedy_eval_ignores_seed_and_top_p_in_its_key(packed, tmp_path, monkeyp
     s2 = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "s2", seed=7, temperature=1.0, **kw)
     n1 = evaluate.evaluate(packed / "packed", "arith:2", tmp_path / "n1", seed=7, sigma=0.01, **kw)
     assert len({a.key, s1.key, s2.key, n1.key}) == 4  # sampling or AQN: the seed is part of the policy
+
+
+def test_paired_interval_never_collapses():
+    """(review-b) the percentile bootstrap of a paired difference collapsed to zero width wherever every example
+    differs alike: two evals that agree on all 50 examples got "+0.000 [+0.000, +0.000]" (certainty of no
+    difference), three flipped examples "+1.000 [+1.000, +1.000]" (exact McNemar p = 0.25). The interval is never
+    narrower than Newcombe's for paired proportions (Wilson intervals of both arms, their correlation)."""
+    same = [1.0] * 10 + [0.0] * 40
+    lo, hi = stats.paired_bootstrap(same, same)["ci95"]
+    assert lo < 0 < hi and hi - lo > 0.05
+    lo, hi = stats.paired_bootstrap([0.0] * 3, [1.0] * 3)["ci95"]
+    assert lo < 0.7 and hi == 1.0
+    lo, hi = stats.paired_bootstrap([0.0] * 50, [0.0] * 49 + [1.0])["ci95"]
+    assert lo < 0 < 0.02 < hi
+    # a large set with an even spread of discordant pairs: about the bootstrap's own interval
+    a = [1.0, 0.0, 1.0, 0.0] * 100
+    b = [1.0, 1.0, 0.0, 1.0] * 100
+    lo, hi = stats.paired_bootstrap(a, b)["ci95"]
+    assert abs((hi - lo) - 2 * 1.96 * (statistics.pstdev([y - x for x, y in zip(a, b)]) / 20)) < 0.02

@@ -48,7 +48,8 @@ def paired_bootstrap(a: list[float], b: list[float], iters: int = 2000, seed: in
                      clusters: list | None = None) -> dict:
     """Mean difference b - a with a 95% percentile interval, resampling examples, or with ``clusters`` (one key
     per example: examples with equal keys, such as repeats of one prompt, are not independent) resampling the
-    clusters whole (each resample's mean difference over the examples it holds)."""
+    clusters whole (each resample's mean difference over the examples it holds); widened where needed to cover
+    Newcombe's paired interval (:func:`_newcombe_paired`), so it never collapses to zero width."""
     if len(a) != len(b) or not a:
         raise ValueError("paired bootstrap needs two equally long non-empty lists")
     rng = random.Random(seed)
@@ -62,7 +63,27 @@ def paired_bootstrap(a: list[float], b: list[float], iters: int = 2000, seed: in
         picks = [rng.randrange(c) for _ in range(c)]
         means.append(sum(sums[j] for j in picks) / sum(sizes[j] for j in picks))
     means.sort()
-    return {"mean_diff": sum(diffs) / n, "ci95": [means[int(0.025 * iters)], means[int(0.975 * iters) - 1]]}
+    lo, hi = means[int(0.025 * iters)], means[int(0.975 * iters) - 1]
+    # the percentile bootstrap collapses to zero width where every example differs alike (two evals that agree
+    # everywhere: [0, 0]); never narrower than Newcombe's paired interval (review-b)
+    nlo, nhi = _newcombe_paired(a, b, clusters)
+    return {"mean_diff": sum(diffs) / n, "ci95": [min(lo, nlo), max(hi, nhi)]}
+
+
+def _newcombe_paired(a: list[float], b: list[float], clusters: list | None = None) -> tuple[float, float]:
+    """95% interval of mean(b) - mean(a) over paired examples (scores in [0, 1]) by Newcombe's method 10 (MOVER):
+    each arm's Wilson interval (:func:`accuracy_ci`, repeats of a prompt as one cluster; mean@k scores at n, the
+    conservative end) combined with the correlation of the paired scores (0 where it is undefined)."""
+    n = len(a)
+    pa, pb = sum(a) / n, sum(b) / n
+    (la, ua), _ = accuracy_ci(a, 1, clusters=clusters)
+    (lb, ub), _ = accuracy_ci(b, 1, clusters=clusters)
+    va, vb = sum((x - pa) ** 2 for x in a), sum((y - pb) ** 2 for y in b)
+    r = sum((x - pa) * (y - pb) for x, y in zip(a, b)) / math.sqrt(va * vb) if va > 0 and vb > 0 else 0.0
+    d = pb - pa
+    lo = d - math.sqrt(max((pb - lb) ** 2 + (ua - pa) ** 2 - 2 * r * (pb - lb) * (ua - pa), 0.0))
+    hi = d + math.sqrt(max((ub - pb) ** 2 + (pa - la) ** 2 - 2 * r * (ub - pb) * (pa - la), 0.0))
+    return max(-1.0, lo), min(1.0, hi)
 
 
 def cluster_effective_size(successes: list[float], trials: list[float]) -> float:
