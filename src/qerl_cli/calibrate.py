@@ -21,7 +21,7 @@ import torch
 from rich.table import Table
 from safetensors.torch import load_file, save_file
 
-from . import artifact, awq, config, data, modelio, names, ui
+from . import artifact, awq, config, data, modelio, names, nvfp4, ui
 from .errors import QerlError
 
 SEARCH_VERSION = "qerl.awq/3"  # bump when the search's results change for the same inputs and config
@@ -363,6 +363,13 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
             net, tokenizer = modelio.load(source, torch.float32, attn_implementation="sdpa")
         tokens, sample_info = build_samples(records, tokenizer, cfg)
         layers = decoder_layers(net)
+        for i, layer in enumerate(layers):  # (before any forward: the search quantizes every group's weights)
+            for grp in active_groups(layer):
+                for n in grp.linears:
+                    k = layer.get_submodule(n).in_features
+                    if k % nvfp4.GROUP_SIZE:
+                        raise QerlError(f"model.layers.{i}.{n} has {k} input features, not a multiple of "
+                                        f"{nvfp4.GROUP_SIZE}; NVFP4 cannot hold it.")
         total = tokens.numel()
         g = torch.Generator().manual_seed(cfg.seed)
         dev = torch.device(cfg.device)
