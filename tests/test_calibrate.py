@@ -469,3 +469,24 @@ def test_calibrate_k_not_a_multiple_of_16_is_one_clear_error(dims, smollm2_token
     assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
     assert "not a multiple of 16" in " ".join(r.stderr.split())
     assert not out.exists() and not list(tmp_path.glob(".calib.tmp-*"))
+
+
+def test_activations_that_overflow_inside_a_layer_are_one_clear_error(smollm2_tokenizer, tmp_path):
+    """Finite weights whose MLP product overflows fp32 (act(gate) * up = inf, the input of down_proj): the
+    stage's own 'produced NaN or infinite activations' sentence, not a ValueError traceback from the search."""
+    from safetensors.torch import save_file
+
+    from conftest import build_tiny_llama
+
+    md = build_tiny_llama(tmp_path / "big", smollm2_tokenizer, layers=1)
+    t = load_file(str(md / "model.safetensors"))
+    for n in ("gate_proj", "up_proj"):
+        t[f"model.layers.0.mlp.{n}.weight"] *= 1e21
+    save_file(t, str(md / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "calib"
+    r = run_cli("calibrate", str(md), "--data", str(GSM8K_TRAIN), "--field", "question,answer", "--samples", "2",
+                "--seq-len", "16", "--device", "cpu", "--no-progress", "-o", str(out))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
+    assert "layer 0 produced NaN or infinite activations" in " ".join(r.stderr.split())
+    assert not out.exists() and not list(tmp_path.glob(".calib.tmp-*"))

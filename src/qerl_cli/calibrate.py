@@ -266,7 +266,7 @@ def _producer(groups: list[Group], g: Group, captures: dict, layer,
                         owner.linears.index(g.prev), [row_scale.get(n) for n in owner.linears])
 
 
-def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: CalibrateConfig
+def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: CalibrateConfig, where: str = "a layer"
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict], dict[str, float]]:
     """Search and fold one layer; returns (next hidden, scales per group, report rows, clip ratios).
 
@@ -288,6 +288,9 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
     finally:
         for h in handles:
             h.remove()
+    # (the search refuses non-finite inputs with a ValueError: name the layer instead; abs_sum covers every token)
+    if not torch.isfinite(nxt).all() or not all(torch.isfinite(c.abs_sum).all() for c in captures.values()):
+        raise QerlError(f"{where} produced NaN or infinite activations on the calibration data.")
     acfg = cfg.awq_config()
     # the RTN baseline: the layer's weights before any fold (copies: the folds work in place)
     original = {n: layer.get_submodule(n).weight.detach().float().clone() for g in groups for n in g.linears}
@@ -383,7 +386,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
         for i in ui.track(range(len(layers)), "calibrating layers", total=len(layers), enabled=cfg.progress):
             prefix = f"model.layers.{i}"
             layers[i].to(dev)
-            hidden, scales, rows, layer_clip = search_layer(layers[i], hidden, rotary, keep, cfg)
+            hidden, scales, rows, layer_clip = search_layer(layers[i], hidden, rotary, keep, cfg, where=f"layer {i}")
             layers[i].to("cpu")
             for gname, s in scales.items():
                 all_scales[f"{prefix}.{gname}"] = s.cpu().contiguous()
