@@ -211,3 +211,25 @@ def test_nan_logits_mid_rollout_are_one_sentence_and_leave_the_old_output(tiny_p
     _clean_error(run_cli(*args, "--adapter", str(huge), "--force", "--engine", "hf"),
                  "the model's logits are not finite (NaN or Inf) at decode step 1 of 4")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_quant_linear_whose_k_is_not_a_multiple_of_16_is_one_sentence(tiny_pipeline, tmp_path):
+    """A quant checkpoint edited under a re-hashed manifest so that a linear holds K = 40 inputs (weight_packed
+    [N, 20], weight_scale [N, 2]: shapes that agree with each other): pack raised layout's ValueError."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from qerl_cli.pack import pack
+
+    q = tmp_path / "quant"
+    shutil.copytree(tiny_pipeline["quant"], q)
+    f = q / names.MODEL_WEIGHTS
+    t = load_file(str(f))
+    n = "model.layers.0.self_attn.o_proj"
+    t[f"{n}.{names.CT_PACKED}"] = t[f"{n}.{names.CT_PACKED}"][:, :20].contiguous()
+    t[f"{n}.{names.CT_SCALE}"] = t[f"{n}.{names.CT_SCALE}"][:, :2].contiguous()
+    save_file(t, str(f), metadata={"format": "pt"})
+    _rehash(q)
+    with pytest.raises(QerlError, match="40 inputs per row, not a positive multiple of 16"):
+        pack(q, tmp_path / "packed", progress=False)
+    assert not (tmp_path / "packed").exists()

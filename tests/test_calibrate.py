@@ -453,3 +453,40 @@ def test_folding_is_exact_on_every_allowed_model_type(model_type, smollm2_tokeni
                                                         generator=g) * 2 + 0.25)
         out = m(ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dims", [{"hidden": 40, "intermediate": 128}, {"hidden": 64, "intermediate": 120}])
+def test_calibrate_k_not_a_multiple_of_16_is_one_clear_error(dims, smollm2_tokenizer, tmp_path):
+    """quantize refuses such a model in one sentence; calibrate (which searches under the same quantizer) must
+    too, not end in a ValueError traceback from the search."""
+    from conftest import build_tiny_llama
+
+    md = build_tiny_llama(tmp_path / "odd", smollm2_tokenizer, layers=1, heads=4, kv_heads=2, **dims)
+    out = tmp_path / "calib"
+    r = run_cli("calibrate", str(md), "--data", str(GSM8K_TRAIN), "--field", "question,answer", "--samples", "2",
+                "--seq-len", "16", "--device", "cpu", "--no-progress", "-o", str(out))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
+    assert "not a multiple of 16" in " ".join(r.stderr.split())
+    assert not out.exists() and not list(tmp_path.glob(".calib.tmp-*"))
+
+
+def test_activations_that_overflow_inside_a_layer_are_one_clear_error(smollm2_tokenizer, tmp_path):
+    """Finite weights whose MLP product overflows fp32 (act(gate) * up = inf, the input of down_proj): the
+    stage's own 'produced NaN or infinite activations' sentence, not a ValueError traceback from the search."""
+    from safetensors.torch import save_file
+
+    from conftest import build_tiny_llama
+
+    md = build_tiny_llama(tmp_path / "big", smollm2_tokenizer, layers=1)
+    t = load_file(str(md / "model.safetensors"))
+    for n in ("gate_proj", "up_proj"):
+        t[f"model.layers.0.mlp.{n}.weight"] *= 1e21
+    save_file(t, str(md / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "calib"
+    r = run_cli("calibrate", str(md), "--data", str(GSM8K_TRAIN), "--field", "question,answer", "--samples", "2",
+                "--seq-len", "16", "--device", "cpu", "--no-progress", "-o", str(out))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
+    assert "layer 0 produced NaN or infinite activations" in " ".join(r.stderr.split())
+    assert not out.exists() and not list(tmp_path.glob(".calib.tmp-*"))

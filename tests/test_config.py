@@ -84,6 +84,16 @@ def test_config_file_overrides_quantize_targets(tmp_path):
     assert tuple(cfg.targets) == ("o_proj", "down_proj") and tuple(cfg.fused_groups) == ()
 
 
+def test_quantize_fused_groups_that_overlap_are_refused(tmp_path):
+    """k_proj in two fused groups was quantized twice, the second global scale overwriting the first: q_proj and
+    k_proj, asked to share one scale, did not (silently). One sentence instead."""
+    from qerl_cli.quantize import QuantizeConfig
+
+    with pytest.raises(QerlError, match="'k_proj' is in more than one fused group"):
+        config.load("quantize", QuantizeConfig,
+                    _write(tmp_path, 'fused_groups = ["q_proj,k_proj", "k_proj,v_proj"]\n'))
+
+
 def test_unknown_key(tmp_path):
     from qerl_cli.verify import VerifyConfig
 

@@ -21,7 +21,7 @@ import torch
 from rich.table import Table
 from safetensors.torch import load_file, save_file
 
-from . import artifact, awq, config, data, modelio, names, ui
+from . import artifact, awq, config, data, modelio, names, nvfp4, ui
 from .errors import QerlError
 
 SEARCH_VERSION = "qerl.awq/3"  # bump when the search's results change for the same inputs and config
@@ -266,7 +266,7 @@ def _producer(groups: list[Group], g: Group, captures: dict, layer,
                         owner.linears.index(g.prev), [row_scale.get(n) for n in owner.linears])
 
 
-def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: CalibrateConfig
+def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: CalibrateConfig, where: str = "a layer"
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict], dict[str, float]]:
     """Search and fold one layer; returns (next hidden, scales per group, report rows, clip ratios).
 
@@ -288,6 +288,9 @@ def search_layer(layer, hidden: torch.Tensor, rotary, keep: torch.Tensor, cfg: C
     finally:
         for h in handles:
             h.remove()
+    # (the search refuses non-finite inputs with a ValueError: name the layer instead; abs_sum covers every token)
+    if not torch.isfinite(nxt).all() or not all(torch.isfinite(c.abs_sum).all() for c in captures.values()):
+        raise QerlError(f"{where} produced NaN or infinite activations on the calibration data.")
     acfg = cfg.awq_config()
     # the RTN baseline: the layer's weights before any fold (copies: the folds work in place)
     original = {n: layer.get_submodule(n).weight.detach().float().clone() for g in groups for n in g.linears}
@@ -363,6 +366,13 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
             net, tokenizer = modelio.load(source, torch.float32, attn_implementation="sdpa")
         tokens, sample_info = build_samples(records, tokenizer, cfg)
         layers = decoder_layers(net)
+        for i, layer in enumerate(layers):  # (before any forward: the search quantizes every group's weights)
+            for grp in active_groups(layer):
+                for n in grp.linears:
+                    k = layer.get_submodule(n).in_features
+                    if k % nvfp4.GROUP_SIZE:
+                        raise QerlError(f"model.layers.{i}.{n} has {k} input features, not a multiple of "
+                                        f"{nvfp4.GROUP_SIZE}; NVFP4 cannot hold it.")
         total = tokens.numel()
         g = torch.Generator().manual_seed(cfg.seed)
         dev = torch.device(cfg.device)
@@ -376,7 +386,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
         for i in ui.track(range(len(layers)), "calibrating layers", total=len(layers), enabled=cfg.progress):
             prefix = f"model.layers.{i}"
             layers[i].to(dev)
-            hidden, scales, rows, layer_clip = search_layer(layers[i], hidden, rotary, keep, cfg)
+            hidden, scales, rows, layer_clip = search_layer(layers[i], hidden, rotary, keep, cfg, where=f"layer {i}")
             layers[i].to("cpu")
             for gname, s in scales.items():
                 all_scales[f"{prefix}.{gname}"] = s.cpu().contiguous()

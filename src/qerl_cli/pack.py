@@ -47,6 +47,9 @@ def check_linear(tensors: dict[str, torch.Tensor], name: str) -> tuple[int, int]
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise QerlError(f"{name}.{names.CT_PACKED} must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}.")
     n, k = packed.shape[0], packed.shape[1] * 2
+    if k == 0 or k % nvfp4.GROUP_SIZE:
+        raise QerlError(f"{name}.{names.CT_PACKED} holds {k} inputs per row, not a positive multiple of "
+                        f"{nvfp4.GROUP_SIZE}; it is not an NVFP4 weight.")
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // nvfp4.GROUP_SIZE):
         raise QerlError(f"{name}.{names.CT_SCALE} must be float8_e4m3fn of shape {(n, k // nvfp4.GROUP_SIZE)}, "
                         f"got {scale.dtype} {tuple(scale.shape)}.")

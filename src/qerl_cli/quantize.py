@@ -25,10 +25,14 @@ class QuantizeConfig:
         problems = []
         if not self.targets:
             problems.append("targets must name at least one projection")
+        grouped: set[str] = set()
         for grp in self.fused_groups:
             unknown = [m for m in grp.split(",") if m not in self.targets]
             if unknown:
                 problems.append(f"fused group '{grp}' names {unknown}, which are not in targets")
+            # (a name in two groups would be quantized twice, the second scale overwriting the first)
+            problems += [f"'{m}' is in more than one fused group" for m in dict.fromkeys(grp.split(",")) if m in grouped]
+            grouped.update(grp.split(","))
         if self.method not in ("rtn", "awq"):
             problems.append(f"method must be 'rtn' or 'awq', got '{self.method}'")
         config.validate(problems)
