@@ -68,11 +68,12 @@ def main() -> int:
     if args.fixups:
         other, fixup = new, {"new": 1, "old": 2}
     else:
-        from torch.utils.cpp_extension import load
+        # built with exactly this build's flags (arch flags, -DQERL_HAS_SM90A: without it the other build never
+        # runs the wgmma tiles; the headers' digest in the cache key), so that only the sources differ
+        import os
 
-        src = Path(args.other) / "nvfp4_kernel.cu"
-        other = load(name="qerl_nvfp4_ab", sources=[str(src)], extra_cflags=["-O3"],
-                     extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+        other = kernel.build_extension("qerl_nvfp4_ab", "nvfp4_kernel.cu", src_dir=args.other,
+                                       timeline=os.environ.get("QERL_KERNEL_TIMELINE") == "1")
         fixup = {}
     for ext in (new, other):
         ext.set_variant(3)

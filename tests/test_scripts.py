@@ -74,3 +74,145 @@ mkdir -p "$o" && touch "$o/manifest.json"
     (tmp_path / "out" / "run" / "manifest.json").unlink()
     changed = make("SAMPLES=64", "STEPS=4")
     assert changed[0].split()[0] == "train" and "--steps 4" in changed[0] and changed[0].endswith("--force")
+
+
+def _load_bench(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_kernel_other_build_has_this_builds_flags(monkeypatch, tmp_path):
+    """ab_kernel.py --other builds the other source with exactly this build's nvcc flags (it had -O3 and sm_90a only:
+    no -DQERL_HAS_SM90A, so the other side never ran the wgmma tiles, and no QERL_KERNEL_ARCH_FLAGS), so that an
+    A/B measures the sources alone."""
+    import shutil
+    import sys
+
+    import torch
+    import torch.utils.cpp_extension as ce
+
+    from qerl_cli import kernel
+
+    other = tmp_path / "old"
+    other.mkdir()
+    for f in (ROOT / "csrc").iterdir():
+        if f.suffix in (".cu", ".cuh"):
+            shutil.copy(f, other)
+
+    class Built(Exception):
+        pass
+
+    calls = []
+
+    def fake_load(**kw):
+        calls.append(kw)
+        raise Built
+
+    for var in ("QERL_KERNEL_ARCH_FLAGS", "QERL_DISABLE_KERNEL", "QERL_CSRC", "QERL_KERNEL_TIMELINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(ce, "load", fake_load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(kernel, "available", lambda: True)
+    monkeypatch.setattr(kernel, "_load", lambda: object())
+    ab = _load_bench("ab_kernel")
+    monkeypatch.setattr(sys, "argv", ["ab_kernel.py", "--other", str(other)])
+    with pytest.raises(Built):
+        ab.main()
+    with pytest.raises(Built):
+        kernel.build_extension("qerl_nvfp4", "nvfp4_kernel.cu")
+    assert calls[0]["sources"] == [str(other / "nvfp4_kernel.cu")]
+    assert calls[0]["extra_cuda_cflags"] == calls[1]["extra_cuda_cflags"]
+    assert calls[0]["extra_cflags"] == calls[1]["extra_cflags"]
+
+
+def test_bench_rollout_hf_warmup_is_the_measured_call(monkeypatch):
+    """HF generate is warmed up on exactly the measured shapes, as our engine is (it was warmed on 2 rows and 4 new
+    tokens, leaving the first call's plan selection at the measured shapes inside its timed call)."""
+    import torch
+
+    br = _load_bench("bench_rollout")
+    for f in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, f, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    calls = []
+
+    class Fake:
+        def generate(self, ids, **kw):
+            calls.append((tuple(ids.shape), kw))
+            return torch.zeros(ids.shape[0], ids.shape[1] + kw["max_new_tokens"], dtype=torch.long)
+
+    r = br.time_hf(Fake(), 3, 5, 7, 1000, device="cpu")
+    assert len(calls) == 2 and calls[0] == calls[1], calls
+    assert calls[1][0] == (3, 5) and calls[1][1]["min_new_tokens"] == 7 and r["tokens"] == 3 * 7
+
+
+def _tiny(conf):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=512)
+    c = (LlamaConfig if conf.model_type == "llama" else Qwen2Config)(**small)
+    m = AutoModelForCausalLM.from_config(c).eval()
+    m._bench_probe = conf.model_type  # (copied by a deepcopy)
+    return m
+
+
+def test_bench_rollout_rows_one_model_resident_and_hf_on_both_models(monkeypatch, tmp_path):
+    """Every throughput row of bench_rollout's default run is measured with only its own model alive (SmolLM2's
+    NVFP4 and bf16 rows ran with both models resident, so each row's peak memory held the other's weights too),
+    and HF generate (bf16) is measured on both models (it was missing for the 7B shapes)."""
+    import gc
+    import sys
+
+    import torch
+
+    from qerl_cli.packed_model import PackedLinear
+
+    br = _load_bench("bench_rollout")
+    seen = []
+
+    def record(model, batch, engine):
+        del model
+        gc.collect()
+        alive = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module) and hasattr(o, "_bench_probe")]
+        seen.append((alive[0]._bench_probe if alive else None, engine, batch, len(alive),
+                     any(isinstance(m, PackedLinear) for m in alive[0].modules()) if alive else None))
+        del alive
+
+    def fake_engine(model, batch, p_len, new, vocab, **kw):
+        record(model, batch, "engine")
+        return {"tokens": 1, "wall_s": 1.0, "tokens_per_s": 1.0, "prefill_s": 0.1, "decode_s": 0.9,
+                "decode_state": "new", "decode_setup_s": 0.0, "peak_alloc_gib": 0.0}
+
+    def fake_hf(model, batch, p_len, new, vocab, **kw):
+        record(model, batch, "hf")
+        return {"tokens": 1, "wall_s": 1.0, "tokens_per_s": 1.0, "peak_alloc_gib": 0.0}
+
+    monkeypatch.setattr(br, "random_model", _tiny)
+    monkeypatch.setattr(br, "time_engine", fake_engine)
+    monkeypatch.setattr(br, "time_hf", fake_hf)
+    monkeypatch.setattr(br, "correctness", lambda *a, **k: {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--json", str(tmp_path / "r.json")])
+    br.main()
+    assert seen and all(n == 1 for _, _, _, n, _ in seen), seen
+    hf = {(m, b) for m, e, b, _, _ in seen if e == "hf"}
+    assert hf == {("llama", 64), ("llama", 256), ("qwen2", 8), ("qwen2", 64)}, seen
+    assert not any(packed for _, e, _, _, packed in seen if e == "hf")
+
+
+def test_bench_rollout_table_shows_no_prefill_split_for_hf(monkeypatch, capsys):
+    """HF generate's rows time the whole call: the table showed a prefill of 0.000 s and the whole wall time as
+    "decode s" (the JSON has neither)."""
+    monkeypatch.setenv("COLUMNS", "250")
+    br = _load_bench("bench_rollout")
+    br.print_table({"device": "fake"}, [{"model": "SmolLM2-135M", "engine": "hf-generate-bf16", "batch": 64,
+                                         "tokens": 16384, "wall_s": 12.345, "tokens_per_s": 1327.2,
+                                         "peak_alloc_gib": 1.2}])
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "hf-generate-bf16" in ln)
+    assert "0.000" not in line and "12.345" not in line, line

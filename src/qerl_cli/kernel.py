@@ -114,10 +114,11 @@ def _source(filename: str = "nvfp4_kernel.cu") -> Path | None:
     return None
 
 
-def build_extension(name: str, filename: str, timeline: bool = False):
+def build_extension(name: str, filename: str, timeline: bool = False, src_dir: str | Path | None = None):
     """JIT-build (cached) and load the torch extension ``name`` from ``csrc/<filename>`` for this machine's
     arch flags; raises with the reason when CUDA, the source or the build is missing. ``timeline``: the probe
-    build (``name`` + ``_tl``, ``-DQERL_TIMELINE``: per-CTA timestamps, benchmarks/probe_timeline.py)."""
+    build (``name`` + ``_tl``, ``-DQERL_TIMELINE``: per-CTA timestamps, benchmarks/probe_timeline.py).
+    ``src_dir``: build ``src_dir/<filename>`` instead, with the same flags (benchmarks/ab_kernel.py --other)."""
     if os.environ.get("QERL_DISABLE_KERNEL", "0") not in ("", "0"):
         raise RuntimeError("QERL_DISABLE_KERNEL is set")
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
@@ -125,9 +126,9 @@ def build_extension(name: str, filename: str, timeline: bool = False):
         raise RuntimeError(f"the GPU's compute capability {cc} is below 8.0 (the kernel needs sm_80 or newer)")
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
-    src = _source(filename)
-    if src is None:
-        raise RuntimeError(f"csrc/{filename} not found (set QERL_CSRC)")
+    src = _source(filename) if src_dir is None else Path(src_dir) / filename
+    if src is None or not src.is_file():
+        raise RuntimeError(f"csrc/{filename} not found (set QERL_CSRC)" if src_dir is None else f"{src} not found")
     from torch.utils.cpp_extension import load
 
     arch = os.environ.get("QERL_KERNEL_ARCH_FLAGS")
