@@ -278,6 +278,25 @@ def test_report_mean_at_k_pairs_and_arms_over_seeds(tmp_path):
     assert (p["baseline_only_correct"], p["other_only_correct"], p["mcnemar_exact_p"]) == (1, 1, 1.0)
 
 
+def test_report_says_why_mcnemar_is_missing_for_repeated_prompts(tmp_path):
+    """k = 1 evals whose set repeats a prompt (arith:N does) get no McNemar; the report said "n/a (mean@k)",
+    a wrong reason for one sample per example (helper review, session 31)."""
+    x = _fake_eval(tmp_path / "x", [True, True, False, False], k=1)
+    y = _fake_eval(tmp_path / "y", [False, True, False, True], k=1)
+    for d in (x, y):  # prompts 0 and 1 are the same question
+        rows = [json.loads(line) for line in (d / names.EVAL_EXAMPLES).read_text().splitlines()]
+        for r in rows:
+            r["prompt"] = "q0" if r["index"] < 2 else f"q{r['index']}"
+        (d / names.EVAL_EXAMPLES).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        m = json.loads((d / names.MANIFEST).read_text())
+        artifact.write_manifest(d, names.KIND_EVAL, {}, [], m["key"], {})
+    r = report.report([x, y], tmp_path / "rep")
+    (p,) = json.loads(r.file(names.REPORT_JSON).read_text())["paired"]
+    assert "mcnemar_exact_p" not in p
+    md = r.file(names.REPORT_MD).read_text()
+    assert "mean@k" not in md and "n/a (repeated prompts)" in md
+
+
 def test_num_examples_truncates_generated_task(packed, tmp_path):
     a = evaluate.evaluate(packed / "packed", "arith:20", tmp_path / "e", num_examples=2, max_new_tokens=2,
                           progress=False)

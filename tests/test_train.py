@@ -123,7 +123,10 @@ def test_resume_continues_exactly(tiny_pipeline, tmp_path, reward):
     full, part = tmp_path / "full", tmp_path / "part"
     train.train(tiny_pipeline["packed"], full, **TINY, overrides=OVR)
     assert train.train(tiny_pipeline["packed"], part, stop_after=3, **TINY, overrides=OVR) is None
-    assert not (part / names.MANIFEST).exists() and len(_metrics(part)) == 3  # step 3 not checkpointed
+    assert not (part / names.MANIFEST).exists() and len(_metrics(part)) == 3
+    import shutil
+
+    shutil.rmtree(part / "step-00000003")  # as if killed before step 3's checkpoint: resumed from step 2
     with pytest.raises(QerlError, match="unfinished run"):
         train.train(tiny_pipeline["packed"], part, **TINY, overrides=OVR)
     with pytest.raises(QerlError, match="different config"):
@@ -137,6 +140,23 @@ def test_resume_continues_exactly(tiny_pipeline, tmp_path, reward):
     assert all(torch.equal(a[k], b[k]) for k in a)
     oa, ob = (load_file(str(d / "step-00000004" / names.OPTIMIZER_STATE)) for d in (full, part))
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
+
+
+def test_stop_after_checkpoints_the_step_it_stops_at(tiny_pipeline, tmp_path, reward):
+    """--stop-after N (time-boxed jobs) left no checkpoint of its last steps unless N hit --save-every, so
+    --resume silently redid them (all of them at the default save_every of 50) (helper review, session 31)."""
+    kw = TINY | {"save_every": 50}
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train.train(tiny_pipeline["packed"], part, stop_after=1, **kw, overrides=OVR) is None
+    assert (part / "step-00000001").is_dir() and len(_metrics(part)) == 1
+    assert train.train(tiny_pipeline["packed"], part, resume=True, stop_after=2, **kw, overrides=OVR) is None
+    assert (part / "step-00000003").is_dir() and [m["step"] for m in _metrics(part)] == [1, 2, 3]
+    art = train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
+    assert art is not None and [m["step"] for m in _metrics(part)] == [1, 2, 3, 4]
+    train.train(tiny_pipeline["packed"], full, **kw, overrides=OVR)
+    assert _deterministic(_metrics(part)) == _deterministic(_metrics(full))
+    a, b = _adapter(full / "step-00000004"), _adapter(part / "step-00000004")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _flip_last_byte(f) -> None:
@@ -295,7 +315,10 @@ def test_resume_before_the_first_checkpoint_redoes_the_step0_evaluation(tiny_pip
     ovr = OVR | {"eval_every": 2, "eval_problems": 4}
     run = tmp_path / "run"
     assert train.train(tiny_pipeline["packed"], run, stop_after=1, **TINY, overrides=ovr) is None
-    assert [m["step"] for m in _metrics(run)] == [0, 1]  # no checkpoint yet (save_every = 2)
+    assert [m["step"] for m in _metrics(run)] == [0, 1]
+    import shutil
+
+    shutil.rmtree(run / "step-00000001")  # as if killed before step 1's checkpoint: no checkpoint yet
     train.train(tiny_pipeline["packed"], run, resume=True, **TINY, overrides=ovr)
     assert [m["step"] for m in _metrics(run)] == [0, 1, 2, 3, 4]  # one step-0 line, not two
 

@@ -224,7 +224,7 @@ def train_cmd(
     verify_dir: Annotated[Optional[Path], typer.Option("--verify", help="verify artifact of the pack (default: PACKED/../verify).")] = None,
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Train on an unverified pack (recorded in the run).")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an unfinished run from its last complete step dir.")] = False,
-    stop_after: Annotated[Optional[int], typer.Option("--stop-after", help="Stop after N steps of this invocation, leaving the run unfinished (time-boxed jobs; continue with --resume).")] = None,
+    stop_after: Annotated[Optional[int], typer.Option("--stop-after", help="Stop after N steps of this invocation, checkpointing the last one, leaving the run unfinished (time-boxed jobs; continue with --resume).")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature of the rollouts (and of the training log-probs).")] = None,
     time_budget: Annotated[Optional[float], typer.Option("--time-budget", help="Finish the run after this many seconds of training (held-out evaluations not counted); 0 = none.")] = None,
     eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="Held-out accuracy (adapter on, AQN off) before step 1 and every N steps; 0 = off.")] = None,

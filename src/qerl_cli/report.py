@@ -141,8 +141,8 @@ def _markdown(rows: list[dict], paired: list[dict], arm_evals: list[dict]) -> st
     if paired:
         out += ["", "| vs baseline | shared | only baseline right | only other right | McNemar p | mean diff [95% CI] |",
                 "|---|---|---|---|---|---|"]
-        dash = "n/a (mean@k)"
-        for p in paired:
+        for p in paired:  # (why McNemar is missing: mean@k scores, or a set that repeats a prompt)
+            dash = "n/a (repeated prompts)" if p["distinct_prompts"] < p["shared_examples"] else "n/a (mean@k)"
             bs = p["paired_bootstrap"]
             mc = f"{p['mcnemar_exact_p']:.4g}" if "mcnemar_exact_p" in p else dash
             out.append(f"| {p['other']} | {p['shared_examples']} | {p.get('baseline_only_correct', dash)} | "

@@ -974,7 +974,8 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
             m |= trainer.evaluate_heldout()
         emit(m)
         last = s + 1
-        if (s + 1) % cfg.save_every == 0 or final:
+        stopping = stop_after is not None and s + 1 - start >= stop_after  # (--resume continues from here)
+        if (s + 1) % cfg.save_every == 0 or final or stopping:
             if dist.main:
                 _save_step(output, s + 1, pm, trainer.opt, trainer.stream.cursor, dist.world)
                 if replaced is not None:  # the new run has a checkpoint: the replaced one goes
