@@ -311,16 +311,21 @@ def test_heldout_set_is_never_the_training_split(tiny_pipeline):
     assert not {p.question for p in arith} & train_qs
 
 
-def test_resume_before_the_first_checkpoint_redoes_the_step0_evaluation(tiny_pipeline, tmp_path, reward):
+def test_resume_before_the_first_checkpoint_redoes_the_step0_evaluation(tiny_pipeline, tmp_path, reward,
+                                                                         monkeypatch):
     ovr = OVR | {"eval_every": 2, "eval_problems": 4}
+    said = []
+    monkeypatch.setattr(train.ui, "info", lambda msg: said.append(msg))
     run = tmp_path / "run"
     assert train.train(tiny_pipeline["packed"], run, stop_after=1, **TINY, overrides=ovr) is None
     assert [m["step"] for m in _metrics(run)] == [0, 1]
     import shutil
 
     shutil.rmtree(run / "step-00000001")  # as if killed before step 1's checkpoint: no checkpoint yet
+    said.clear()
     train.train(tiny_pipeline["packed"], run, resume=True, **TINY, overrides=ovr)
     assert [m["step"] for m in _metrics(run)] == [0, 1, 2, 3, 4]  # one step-0 line, not two
+    assert any("no complete checkpoint yet; resuming from step 0" in m for m in said)  # (said, not silent)
 
 
 def test_heldout_evaluation_policy(tiny_pipeline, tmp_path, reward, monkeypatch):

@@ -913,6 +913,8 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
         if st["world_size"] != dist.world:
             raise QerlError(f"{output} was trained with {st['world_size']} ranks; resume it with the same number.")
         start, trainer.stream.cursor = st["step"], st["data_cursor"]
+    elif state == "resume" and dist.main:
+        ui.info(f"train: {escape(str(output))} holds no complete checkpoint yet; resuming from step 0.")
     if dist.main:
         output.mkdir(parents=True, exist_ok=True)
         for p in output.glob(".step-*.tmp-*"):
