@@ -306,6 +306,8 @@ def test_open_ok(art_dir):
 def test_wrong_kind(art_dir):
     with pytest.raises(QerlError, match=r"is a 'quant' artifact, but a 'packed' artifact is needed"):
         artifact.open_artifact(art_dir, "packed")
+    with pytest.raises(QerlError, match=r"is a 'quant' artifact, but an 'eval' or 'run' artifact is needed"):
+        artifact.open_artifact(art_dir, ("eval", "run"))
 
 
 @pytest.mark.parametrize("schema,match", [("qerl.artifact/2", "schema qerl.artifact/2"),

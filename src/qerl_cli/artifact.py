@@ -206,6 +206,11 @@ def verify_files(path: Path, manifest: dict) -> str | None:
     return None
 
 
+def _a(word: str) -> str:
+    """The article before ``word`` ('an eval', 'a run')."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def open_artifact(path: str | Path, kind: str | tuple[str, ...], check_files: bool = True) -> Artifact:
     """Open an artifact directory, checking schema, kind and (by default) every file hash."""
     path = Path(path)
@@ -213,7 +218,8 @@ def open_artifact(path: str | Path, kind: str | tuple[str, ...], check_files: bo
     kinds = (kind,) if isinstance(kind, str) else kind
     if manifest[names.K_KIND] not in kinds:
         want = " or ".join(f"'{k}'" for k in kinds)
-        raise QerlError(f"{path} is a '{manifest[names.K_KIND]}' artifact, but a {want} artifact is needed here.")
+        got = manifest[names.K_KIND]
+        raise QerlError(f"{path} is {_a(got)} '{got}' artifact, but {_a(kinds[0])} {want} artifact is needed here.")
     if check_files:
         problem = verify_files(path, manifest)
         if problem:
