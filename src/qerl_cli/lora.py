@@ -16,7 +16,6 @@ On an AWQ pack the factors train in the pack's folded coordinates; the file hold
 from __future__ import annotations
 
 import math
-
 import warnings
 from pathlib import Path
 
