@@ -369,10 +369,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
         for i, layer in enumerate(layers):  # (before any forward: the search quantizes every group's weights)
             for grp in active_groups(layer):
                 for n in grp.linears:
-                    k = layer.get_submodule(n).in_features
-                    if k % nvfp4.GROUP_SIZE:
-                        raise QerlError(f"model.layers.{i}.{n} has {k} input features, not a multiple of "
-                                        f"{nvfp4.GROUP_SIZE}; NVFP4 cannot hold it.")
+                    nvfp4.check_in_features(f"model.layers.{i}.{n}", layer.get_submodule(n).in_features)
         total = tokens.numel()
         g = torch.Generator().manual_seed(cfg.seed)
         dev = torch.device(cfg.device)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import QerlError
+
 GROUP_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -135,3 +137,9 @@ def fused_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
     """One tensor scale for a fused set (q/k/v or gate/up): from the amax over all members."""
     amax = torch.stack([w.float().abs().amax() for w in weights]).amax()
     return global_scale(amax)
+
+
+def check_in_features(name: str, k: int) -> None:
+    """One sentence (QerlError) where the linear ``name`` with ``k`` input features cannot be NVFP4 (groups of 16)."""
+    if k % GROUP_SIZE:
+        raise QerlError(f"{name} has {k} input features, not a multiple of {GROUP_SIZE}; NVFP4 cannot hold it.")

@@ -110,9 +110,7 @@ def quantize_state(model, cfg: QuantizeConfig, clip_ratios: dict[str, float] | N
     """The checkpoint's tensors (NVFP4 linears + bf16 rest) and a per-layer report."""
     linears = quantized_linears(model, cfg.targets)
     for name, mod in linears:
-        k = mod.in_features
-        if k % nvfp4.GROUP_SIZE:
-            raise QerlError(f"{name} has {k} input features, not a multiple of {nvfp4.GROUP_SIZE}; NVFP4 cannot hold it.")
+        nvfp4.check_in_features(name, mod.in_features)
         if mod.bias is not None and not torch.isfinite(mod.bias).all():
             raise QerlError(f"{name}.bias holds NaN or infinite values.")
     by_name = dict(linears)
