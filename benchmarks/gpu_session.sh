@@ -152,11 +152,14 @@
 #   (71)                           session 28, ad-hoc calls on the warm H100 after 70 and the rotary-table fix: the
 #                                  kept-graph test and bench_rollout.py --keep-graph (results/s28/adhoc_*), then the
 #                                  train, LoRA-term, engine, decode-attention and fused GPU test files
-#   72                             session 29 (prepared, not yet run): the default build, the kept-graph GPU test,
+#   72                             session 29 (session 30 on an H100): the default build, the kept-graph GPU test,
 #                                  bench_rollout.py --keep-graph (7B, batch 8) on an H200 (issue 5's 3,000 tok/s)
-#   73                             session 29 (prepared, not yet run): a build with the rolling L2 prefetch
+#   73                             session 29 (session 30 on an H100): a build with the rolling L2 prefetch
 #                                  (-DQERL_V2_PREFETCH_LOOP), its GPU test, the distances PFS beside cuBLAS, the 7B
 #                                  rollouts kept with and without it (PFARM)
+#   74                             session 30: the default build, every GPU test file (-rfs: skip reasons logged)
+#   75                             session 31: the default build, bench_rollout.py's full default run (SmolLM2 shapes
+#                                  with HF generate, 7B shapes with HF generate and the ablations)
 #   70                             (keep-graph, merged in session 28) part 69's build and engine GPU tests only (little
 #                                  device time); session 28 on an H100 (results/s28/part70_*)
 #   69                             (keep-graph, merged in session 28; prepared in session 25, not yet run as a whole)
@@ -787,6 +790,17 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
+  ;;
+75)
+  # session 31: the default build, then bench_rollout.py with no arm flag (session 30's fixed bench: one model
+  # resident per row, HF warmed on the measured shapes): SmolLM2 shapes (random weights: eos is ignored, so the
+  # speed does not depend on them) at batch 64 and 256 with HF generate, then the 7B shapes at batch 8 and 64 with
+  # HF generate and the ablations, for at most T75 (default 560) seconds (every row is saved as it ends)
+  sm90_start
+  build; stamp 75 "build done"
+  COLUMNS=200 timeout $(( ${T75:-560} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py \
+    --json "$OUT/rollout_full.json" 2>&1 | tee "$OUT/bench_rollout_full.log" | grep -v '^{' | grep -v '━\|──'
+  stamp 75 "rollouts done"
   ;;
 74)
   # session 30: the default build, then every GPU test (-m gpu over tests/), for at most T74 (default 560) seconds
