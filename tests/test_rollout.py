@@ -371,6 +371,27 @@ def test_cache_key_covers_gold_answers(pipeline, tmp_path):
     assert [r["gold"] for r in rows] == ["7", "8"]
 
 
+def test_cache_key_ignores_what_changes_no_token(pipeline, tmp_path, monkeypatch):
+    """(walkthrough, session 30) --num-prompts 4 and 0 (= all) on arith:4 select the same prompts, and a greedy
+    rollout without AQN draws nothing (--seed, --top-p, --top-k change no token): one rollout, a cache hit that
+    loads no model, never "a different artifact"; under sampling or AQN the seed still counts."""
+    kw = dict(group=1, max_new_tokens=2, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:4", tmp_path / "g", temperature=0.0, seed=0, **kw)
+    real_load = packed_model.load_packed_model
+    monkeypatch.setattr(packed_model, "load_packed_model", lambda *a, **k: pytest.fail("an equal rollout recomputed"))
+    assert rollout.rollout(pipeline / "packed", "arith:4", tmp_path / "g", temperature=0.0, seed=7, top_p=0.5,
+                           top_k=3, num_prompts=4, **kw).digest == a.digest
+    monkeypatch.setattr(packed_model, "load_packed_model", real_load)
+    assert a.config["num_prompts"] == 4
+    s1 = rollout.rollout(pipeline / "packed", "arith:4", tmp_path / "s1", temperature=1.0, seed=0, **kw)
+    s2 = rollout.rollout(pipeline / "packed", "arith:4", tmp_path / "s2", temperature=1.0, seed=7, **kw)
+    n1 = rollout.rollout(pipeline / "packed", "arith:4", tmp_path / "n1", temperature=0.0, seed=7, sigma=0.01, **kw)
+    n2 = rollout.rollout(pipeline / "packed", "arith:4", tmp_path / "n2", temperature=0.0, seed=0, sigma=0.01, **kw)
+    assert len({a.key, s1.key, s2.key, n1.key, n2.key}) == 5
+    three = rollout.rollout(pipeline / "packed", "arith:4", tmp_path / "three", temperature=0.0, num_prompts=3, **kw)
+    assert three.key != a.key and three.config["num_prompts"] == 3
+
+
 def _fake_math_verify(monkeypatch):
     """math-verify "installed" (a stand-in that compares the parsed strings), version 9.9.9."""
     monkeypatch.setattr(tasks, "_math_verify", lambda: (str.strip, lambda g, p: g == p, "9.9.9"))
