@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -143,6 +144,26 @@ def test_report_on_runs_time_to_target_and_curves(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     md = r.file(names.REPORT_MD).read_text()
     assert "step 3, 30 s (accuracy)" in md and "not reached within budget (accuracy)" in md
+
+
+def test_report_key_follows_the_order_and_places_of_its_inputs(tmp_path, monkeypatch):
+    """(review, session 31) The report's key held its inputs' digests as a set and the first path as typed: the same
+    runs in another order (another baseline, other row order) or under other directory names (other arms) were
+    served the old report, while the same command with relative paths was refused as a different artifact."""
+    import shutil
+
+    a = _fake_run(tmp_path / "run-a", [0.1, 0.4])
+    b = _fake_run(tmp_path / "run-b", [0.2, 0.3])
+    r = report.report([a, b], tmp_path / "rep")
+    with pytest.raises(QerlError, match="different 'report' artifact"):
+        report.report([b, a], tmp_path / "rep")
+    shutil.copytree(a, tmp_path / "run-c")
+    with pytest.raises(QerlError, match="different 'report' artifact"):
+        report.report([tmp_path / "run-c", b], tmp_path / "rep")
+    monkeypatch.chdir(tmp_path)
+    assert report.report([Path("run-a"), Path("run-b")], Path("rep")).digest == r.digest  # (a cache hit)
+    swapped = report.report([b, a], tmp_path / "rep-ba")
+    assert [row["path"] for row in json.loads(swapped.file(names.REPORT_JSON).read_text())["runs"]] == [str(b), str(a)]
 
 
 def _heldout_run(path, first, steps, step_s=7.0):

@@ -336,8 +336,12 @@ def report(paths: list[str | Path], output: str | Path, force: bool = False,
                                                          "runs": run_rows, "arms": arms}, indent=1) + "\n")
         return {"evals": len(rows), "runs": len(run_rows)}
 
-    art = artifact.run_stage(names.KIND_REPORT, output, {"baseline": str(arts[0].path),
+    inputs = [a.as_input(output) for a in arts]
+    # the inputs in the order given, by where they lie: the first is the baseline, the order sets the rows', and
+    # the directory names set the arms (<arm>-s<seed>) and labels (the key's own input list is a sorted digest set)
+    order = [[i.path, i.digest] for i in inputs]
+    art = artifact.run_stage(names.KIND_REPORT, output, {"inputs_in_order": order,
                                                          "target_accuracy": target_accuracy},
-                             [a.as_input(output) for a in arts], body, force=force)
+                             inputs, body, force=force)
     ui.out.print(art.file(names.REPORT_MD).read_text(), markup=False)
     return art
