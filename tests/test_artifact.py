@@ -274,6 +274,18 @@ def test_output_stranded_by_a_kill_between_the_renames_is_restored(tmp_path):
     assert not leftover.exists() and (out / names.MANIFEST).is_file()
 
 
+def test_sweep_reads_output_names_literally(tmp_path):
+    """(review, session 31) The sweep's patterns were globs built from the output's name: a stage writing "v[12]"
+    matched v1's stranded ".v1.old-*" and deleted the artifact that v1's next run would have restored."""
+    v1 = tmp_path / "v1"
+    first = _run(v1)
+    os.rename(v1, tmp_path / f".v1.old-{_dead_pid()}-deadbeef")
+    _run(tmp_path / "v[12]")
+    assert (tmp_path / "v[12]" / names.MANIFEST).is_file()
+    body = Body()
+    assert _run(v1, body).digest == first.digest and body.calls == 0  # v1's own run restored it
+
+
 def test_temporary_of_live_process_is_kept(tmp_path):
     out = tmp_path / "art"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -431,7 +443,10 @@ def test_output_overlapping_an_input_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("change", [{"files": ["payload.txt"]}, {"files": {"a": 1}}, {"files": None},
-                                    {"key": 5}, {"inputs": ["x"]}, {"metrics": None}, {"kind": ["quant"]}])
+                                    {"key": 5}, {"inputs": ["x"]}, {"metrics": None}, {"kind": ["quant"]},
+                                    # (review, session 31: verify read inputs[0]["path"] with a KeyError traceback)
+                                    {"inputs": [{"kind": "quant", "digest": "sha256:" + "0" * 64}]},
+                                    {"inputs": [{"kind": "quant", "path": 3, "digest": "sha256:" + "0" * 64}]}])
 def test_manifest_fields_of_the_wrong_type_are_one_sentence(tmp_path, change):
     out = tmp_path / "art"
     _run(out)

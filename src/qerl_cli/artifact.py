@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import hashlib
 import json
 import os
@@ -174,10 +175,12 @@ def read_manifest(path: Path) -> dict:
           and isinstance(manifest[names.K_CONFIG], dict) and isinstance(manifest.get(names.K_METRICS, {}), dict)
           and isinstance(files, list) and isinstance(inputs, list)
           and all(isinstance(f, dict) and isinstance(f.get(names.K_PATH), str) for f in files)
-          and all(isinstance(i, dict) for i in inputs))
+          and all(isinstance(i, dict) and all(isinstance(i.get(k), str) for k in (names.K_KIND, names.K_PATH,
+                                                                                  names.K_DIGEST)) for i in inputs))
     if not ok:
         raise QerlError(f"{mf} has fields of the wrong type (kind, key and digest must be strings, config and metrics "
-                        "objects, files and inputs lists of objects); recreate the artifact with --force.")
+                        "objects, files and inputs lists of objects, each input with a kind, path and digest); "
+                        "recreate the artifact with --force.")
     return manifest
 
 
@@ -300,7 +303,8 @@ def _sweep_stale_temporaries(out: Path) -> None:
     back to ``out`` when ``out`` is missing (killed between ``_replace_dir``'s two renames: the previous artifact,
     never the new one, is what the user had), else it is removed (killed before removing it)."""
     stale = []
-    for p in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+    name = glob.escape(out.name)  # (an output named "v[12]" must not match another output's ".v1.old-…")
+    for p in [*out.parent.glob(f".{name}.tmp-*"), *out.parent.glob(f".{name}.old-*")]:
         try:
             pid = int(p.name.rsplit("-", 2)[-2])
         except (ValueError, IndexError):
