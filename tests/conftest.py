@@ -45,14 +45,16 @@ def smollm2_tokenizer():
 
 
 def build_tiny_llama(path: Path, tokenizer, seed: int = 0, hidden: int = 64, intermediate: int = 128,
-                     layers: int = 2, heads: int = 4, kv_heads: int = 2, dtype=torch.bfloat16) -> Path:
-    """Save a random Llama with SmolLM2's tokenizer and chat template as a HF model directory."""
+                     layers: int = 2, heads: int = 4, kv_heads: int = 2, dtype=torch.bfloat16,
+                     extra_vocab: int = 0) -> Path:
+    """Save a random Llama with SmolLM2's tokenizer and chat template as a HF model directory (``extra_vocab``
+    embedding rows beyond the tokenizer's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from qerl_cli import modelio
 
     torch.manual_seed(seed)
-    conf = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+    conf = LlamaConfig(vocab_size=len(tokenizer) + extra_vocab, hidden_size=hidden, intermediate_size=intermediate,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                        max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5)
     model = LlamaForCausalLM(conf).to(dtype)

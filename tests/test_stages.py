@@ -358,3 +358,10 @@ def test_verify_against_a_checkpoint_of_another_shape_is_one_sentence(tiny_pipel
     with pytest.raises(QerlError, match=r"is a checkpoint of another model than .* \(the shape of model\.layers\.0\."):
         verify(tiny_pipeline["packed"], tmp_path / "verify", against=q.path, progress=False, device="cpu")
     assert not (tmp_path / "verify").exists()
+    # (review, session 31) the same linears and another vocabulary: the guard read the linears alone, and the model
+    # check then crashed comparing logits of 49152 and 49216 entries
+    wide = build_tiny_llama(tmp_path / "wide", smollm2_tokenizer, extra_vocab=64)
+    q = quantize(str(wide), tmp_path / "quant-wide", progress=False)
+    with pytest.raises(QerlError, match=r"is a checkpoint of another model than .* \(the shape of model\.embed_tokens"):
+        verify(tiny_pipeline["packed"], tmp_path / "verify", against=q.path, progress=False, device="cpu")
+    assert not (tmp_path / "verify").exists()

@@ -344,9 +344,13 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
         index = packed_index(p)
         # the projections run both models on the same inputs: a checkpoint whose linears have other shapes is of
         # another model (a traceback in the first matmul before this), not a failed check (other linear sets are)
+        linears = set(quant_linears(ref_tensors)) | set(index["linears"])
         other = sorted(n for n in set(quant_linears(ref_tensors)) & set(index["linears"])
                        if check_linear(ref_tensors, n) != (index["linears"][n]["out_features"],
                                                            index["linears"][n]["in_features"]))
+        # ... and so are its other tensors (embeddings, lm_head, norms: another vocabulary crashed the model check)
+        other += sorted(n for n in set(ref_tensors) & set(packed_tensors) if n.rsplit(".", 1)[0] not in linears
+                        and ref_tensors[n].shape != packed_tensors[n].shape)
         if other:
             raise QerlError(f"{q.path} is a checkpoint of another model than {p.path} (the shape of {other[0]} "
                             "differs); verify a pack against the quant checkpoint it was made from.")
