@@ -591,7 +591,16 @@ def _tiny_shapes(packed):
     ({"adv_eps": -0.5}, "adv_eps and overlong_penalty must be finite and >= 0"),
     ({"overlong_penalty": -1.0}, "adv_eps and overlong_penalty must be finite and >= 0"),
     ({"eps_low": 1.0}, r"eps_low in \[0, 1\)"),
-    ({"eps_high": float("nan")}, "eps_high and max_grad_norm finite and >= 0"),
+    ({"eps_high": float("nan")}, r"eps_high in \[0, 1e\+06\]"),
+    # (review, session 31) each of these started the run and failed later with another cause named (NaN sigma at
+    # the first noisy stage, a NaN format reward as "diverged: lower lr", 1 + 1e39 as an fp32 overflow traceback)
+    # or ran to the end changing nothing (lora_alpha 0: every update scaled to zero)
+    ({"sigma_start": float("nan"), "sigma_end": float("nan")}, "sigma_start and sigma_end must be finite"),
+    ({"sigma_end": float("inf")}, "sigma_start and sigma_end must be finite"),
+    ({"lora_alpha": 0.0}, "lora_alpha must be finite and > 0"),
+    ({"lora_alpha": float("nan")}, "lora_alpha must be finite and > 0"),
+    ({"format_reward": float("nan")}, "format_reward must be a finite number"),
+    ({"eps_high": 1e39}, r"eps_high in \[0, 1e\+06\]"),
 ])
 def test_schedules_that_cannot_be_followed_are_refused(ovr, match):
     from qerl_cli import config
@@ -679,3 +688,34 @@ def test_step_passes_every_objective_option_through(tiny_pipeline, tmp_path, rew
     assert seen["denominator"] and all(a[1] == "sequence" for a in seen["denominator"])
     assert seen["group_advantages"] and all(a[1:4] == (4, "batch", 1e-3) for a in seen["group_advantages"])
     assert seen["clipped_surrogate"] and all(a[4:7] == (0.15, 0.35, "sequence") for a in seen["clipped_surrogate"])
+
+
+def test_run_key_holds_what_changes_the_run_and_nothing_else(tiny_pipeline, tmp_path, reward, monkeypatch):
+    """(review, session 31) The run's key missed two things that change its results, an engine switch (another
+    sampler draws other tokens) and the held-out problems (an edited eval file served the old held-out accuracy),
+    and held two that change nothing: num_problems typed as the set's size rather than 0 (= all), and the held-out
+    settings of a run that never evaluates. A cached rerun also read the whole model before finding the cache."""
+    from qerl_cli import packed_model
+
+    kw = TINY | {"steps": 1, "save_every": 1, "sigma_start": 0.0, "sigma_end": 0.0}
+    ovr = OVR | {"eval_every": 0}
+    a = train.train(tiny_pipeline["packed"], tmp_path / "a", **kw, overrides=ovr)
+    real_load = packed_model.load_packed_model
+    monkeypatch.setattr(packed_model, "load_packed_model", lambda *x, **k: pytest.fail("a cache hit read the model"))
+    same = train.train(tiny_pipeline["packed"], tmp_path / "a", **kw,
+                       overrides=ovr | {"num_problems": 16, "eval_problems": 7, "eval_temperature": 0.5})
+    assert same.digest == a.digest and a.config["num_problems"] == 16
+    monkeypatch.setenv("QERL_ENGINE_FUSED_SAMPLER", "0")
+    with pytest.raises(QerlError, match="already holds a different 'run' artifact"):
+        train.train(tiny_pipeline["packed"], tmp_path / "a", **kw, overrides=ovr)
+    monkeypatch.delenv("QERL_ENGINE_FUSED_SAMPLER")
+    monkeypatch.setattr(packed_model, "load_packed_model", real_load)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"}) + "\n"
+                            for i in range(3)))
+    ovr_eval = OVR | {"eval_every": 1, "eval_task": str(held), "eval_problems": 3}
+    b = train.train(tiny_pipeline["packed"], tmp_path / "b", **kw, overrides=ovr_eval)
+    assert "heldout" in [i[names.K_KIND] for i in b.manifest[names.K_INPUTS]]
+    held.write_text(held.read_text().replace("#### 2", "#### 9"))
+    with pytest.raises(QerlError, match="already holds a different 'run' artifact"):
+        train.train(tiny_pipeline["packed"], tmp_path / "b", **kw, overrides=ovr_eval)

@@ -62,6 +62,7 @@ from .adapter import model_folding
 from .engine import Engine, SamplingConfig, check_positions, derive_seed
 from .errors import QerlError
 
+MAX_EPS_HIGH = 1e6  # (a ratio clamped at 1 + 1e39 overflows fp32: an upper clip that large is off anyway)
 NONDETERMINISTIC_METRICS = ("time_", "tokens_per_s", "peak_")
 ENTROPY_DEFINITION = ("entropy: Monte Carlo estimate of the per-token entropy of the sampling distribution, "
                       "-mean(behaviour log-prob) over generated tokens")
@@ -156,15 +157,21 @@ class TrainConfig:
         p += config.seed_problems(seed=self.seed)
         if self.objective not in ("clean", "replay"):
             p.append("objective must be 'clean' or 'replay'")
-        if not (0 < self.lr < math.inf and 0 <= self.eps_low < 1 and 0 <= self.eps_high < math.inf
+        if not (0 < self.lr < math.inf and 0 <= self.eps_low < 1 and 0 <= self.eps_high <= MAX_EPS_HIGH
                 and 0 <= self.max_grad_norm < math.inf):
-            p.append("lr must be finite and > 0, eps_low in [0, 1) (at 1 or above the lower clip 1 - eps_low is gone), "
-                     "and eps_high and max_grad_norm finite and >= 0")  # (NaN fails too)
+            p.append(f"lr must be finite and > 0, eps_low in [0, 1) (at 1 or above the lower clip 1 - eps_low is gone), "
+                     f"eps_high in [0, {MAX_EPS_HIGH:g}] (that large already leaves the upper clip off) and "
+                     f"max_grad_norm finite and >= 0")  # (NaN fails too)
         if not (0 <= self.adv_eps < math.inf and 0 <= self.overlong_penalty < math.inf):
             p.append("adv_eps and overlong_penalty must be finite and >= 0 (a negative adv_eps can divide by zero; a "
                      "negative overlong_penalty turns the penalty into a bonus)")
-        if self.sigma_start < 0 or self.sigma_end < 0:
-            p.append("sigma_start and sigma_end must be >= 0")
+        if not (0 <= self.sigma_start < math.inf and 0 <= self.sigma_end < math.inf):  # (NaN fails too)
+            p.append("sigma_start and sigma_end must be finite and >= 0")
+        if not 0 < self.lora_alpha < math.inf:
+            p.append("lora_alpha must be finite and > 0 (at 0 the adapter's update is scaled to nothing: training "
+                     "would change no token)")
+        if not -math.inf < self.format_reward < math.inf:
+            p.append("format_reward must be a finite number")
         noisy = self.sigma_stages >= 2 and (self.sigma_start > 0 or self.sigma_end > 0)
         if noisy and (self.sigma_start == 0) != (self.sigma_end == 0):
             p.append("an AQN schedule needs sigma_start and sigma_end both > 0 (or both 0 for no noise)")
@@ -498,6 +505,17 @@ def _write_manifest(out: Path, cfg_dict: dict, inputs: list[artifact.Input], key
     return artifact.write_manifest(out, names.KIND_RUN, cfg_dict, inputs, key, metrics)
 
 
+def _key_config(cfg: TrainConfig, n_problems: int) -> dict:
+    """The config a run is keyed and recorded by: ``num_problems`` as the count selected (0 = all and the set's
+    size are one run; the task input holds the problems), the held-out settings only when evaluations run, the
+    answer checker that scores the rollouts (rewards differ between checkers; as in rollout and evaluate) and the
+    switches that change what CUDA computes (``config.result_env``: another sampler draws other tokens)."""
+    d = config.as_dict(cfg) | {"num_problems": n_problems, "verifier": tasks.verifier()} | config.result_env()
+    if not cfg.eval_every:  # (no evaluation runs: its settings change nothing)
+        d |= {"eval_task": None, "eval_problems": None, "eval_temperature": None}
+    return d
+
+
 def heldout_problems(cfg: TrainConfig) -> list[tasks.Problem]:
     """The held-out evaluation problems: ``eval_task`` (a file, or an HF dataset's test split), or the arith
     generator's held-out split (seed 0, the same set for every training seed, disjoint from every training
@@ -513,7 +531,8 @@ def heldout_problems(cfg: TrainConfig) -> list[tasks.Problem]:
 
 # ------------------------------------------------------------------------------------------ the trainer
 class Trainer:
-    def __init__(self, cfg: TrainConfig, pm, tok, problems: list[tasks.Problem], dist: _Dist, device: str):
+    def __init__(self, cfg: TrainConfig, pm, tok, problems: list[tasks.Problem], dist: _Dist, device: str,
+                 heldout: list[tasks.Problem]):
         self.cfg, self.pm, self.tok, self.problems, self.dist = cfg, pm, tok, problems, dist
         self.device = torch.device(device)
         self.engine = Engine(pm.get_base_model(), self.device, cuda_graph=cfg.cuda_graph,
@@ -525,7 +544,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
         self.stream = PromptStream(len(problems), cfg.seed)
-        self.heldout = heldout_problems(cfg) if cfg.eval_every else []
+        self.heldout = heldout
         self.heldout_ids = [tasks.chat_prompt(tok, p.question) for p in self.heldout]
         # the engine refuses a sampling call past the model's positions, but only at its first rollout, after the
         # run's directory is written: refuse here, before anything is (review, session 19)
@@ -875,16 +894,19 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
     if device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))
 
-    model, tok, input_arts, info = rollout.load_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
+    tok, input_arts, info, load_model = rollout.resolve_policy(source, device, verify_dir=verify_dir,
+                                                               skip_verify=skip_verify)
     modelio.fix_tokenizer(tok)
     problems = tasks.load_problems(cfg.task, cfg.seed, cfg.num_problems or None)
     if len(problems) < 1:
         raise QerlError(f"{cfg.task} holds no problems.")
+    heldout = heldout_problems(cfg) if cfg.eval_every else []
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
     inputs.append(artifact.Input("task", cfg.task, artifact.sha256_json([[p.question, p.answer] for p in problems])))
-    # the reward function and answer checker that score the rollouts (rewards differ between checkers): recorded
-    # with the config and part of the key, as in rollout and evaluate
-    cfg_dict = config.as_dict(cfg) | {"verifier": tasks.verifier()}
+    if heldout:  # its held-out accuracy is part of the run's results: an edited held-out file is another run
+        inputs.append(artifact.Input("heldout", cfg.eval_task or "arith (heldout)",
+                                     artifact.sha256_json([[p.question, p.answer] for p in heldout])))
+    cfg_dict = _key_config(cfg, len(problems))
     key = artifact.cache_key(names.KIND_RUN, cfg_dict, inputs)
 
     if dist.main:
@@ -898,8 +920,9 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
         ui.info(f"[green]train[/]: {escape(str(output))} is up to date (cached); nothing to do. Use --force to recompute.")
         return artifact.open_artifact(output, names.KIND_RUN)
 
+    model = load_model()  # (after the cache check: a cached rerun reads no weights)
     pm = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
-    trainer = Trainer(cfg, pm, tok, problems, dist, device)
+    trainer = Trainer(cfg, pm, tok, problems, dist, device, heldout)
     start = 0
     steps_done = _step_dirs(output) if state == "resume" else []
     if steps_done:
