@@ -83,6 +83,56 @@ def test_unsupported_adapters_are_one_clear_error(base, tmp_path, conf, match):
     assert "does not apply" in str(e.value) and str(e.value).count(". ") == 0  # one sentence
 
 
+def _rewrite(path, conf_update=None, tensors=None, metadata=None):
+    """Change an adapter directory in place: its config's entries, its tensors (a function of the old ones) and the
+    weights file's metadata."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cf, wf = path / "adapter_config.json", path / "adapter_model.safetensors"
+    cf.write_text(json.dumps(json.loads(cf.read_text()) | (conf_update or {})))
+    t = load_file(str(wf))
+    save_file(tensors(t) if tensors else t, str(wf), metadata=metadata)
+
+
+@pytest.mark.parametrize("conf_update,tensors,match", [
+    # (review, session 31) PEFT drops factors its config does not target and keys without its prefix, silently:
+    # qerl applied them all, another policy than PEFT's on the source model (and the same digest)
+    ({"target_modules": ["q_proj"]}, None, "modules its config does not target, such as model.layers.0.mlp.down"),
+    ({"exclude_modules": ["down_proj"]}, None, "modules its config does not target, such as model.layers.0.mlp.down"),
+    ({"layers_to_transform": [0]}, None, "modules its config does not target, such as model.layers.1.mlp.down"),
+    (None, lambda t: {k.replace("base_model.model.", ""): v for k, v in t.items()}, "without PEFT's 'base_model.model"),
+    ({"lora_alpha": float("nan")}, None, "lora_alpha .* not a finite number"),
+    (None, lambda t: {k: v.to(torch.float8_e4m3fn) for k, v in t.items()}, "float16, bfloat16, float32 or float64"),
+])
+def test_adapters_peft_would_read_otherwise_are_one_clear_error(base, tmp_path, conf_update, tensors, match):
+    _save(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules=PROJ)
+    load_lora(tmp_path / "ad", base)  # (as saved: fine)
+    _rewrite(tmp_path / "ad", conf_update, tensors)
+    with pytest.raises(QerlError, match=match) as e:
+        load_lora(tmp_path / "ad", base)
+    assert str(e.value).count(". ") == 0  # one sentence
+
+
+def test_all_linear_and_regex_targets_read_as_peft_reads_them(base, tmp_path):
+    _save(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules="all-linear")
+    assert len(load_lora(tmp_path / "ad", base).factors) == 14
+    _save(base, tmp_path / "re", r=4, lora_alpha=8, target_modules=r".*\.(q_proj|v_proj)")
+    assert len(load_lora(tmp_path / "re", base).factors) == 4
+
+
+def test_the_digest_is_of_the_factors_not_the_files_bytes(base, tmp_path):
+    """(review, session 31) safetensors writes its metadata in no fixed order, so saving one adapter twice made files
+    of other bytes, and the digest (of the file) called the same adapter another policy about half the time."""
+    _save(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules=PROJ)
+    first = load_lora(tmp_path / "ad", base).digest
+    _rewrite(tmp_path / "ad", metadata={"format": "pt", "note": "same factors"})
+    assert load_lora(tmp_path / "ad", base).digest == first
+    _rewrite(tmp_path / "ad", tensors=lambda t: {k: v * (1.5 if "lora_B" in k else 1.0) for k, v in t.items()})
+    assert load_lora(tmp_path / "ad", base).digest != first
+
+
 def _folded(base, kv_heads: int, seed: int = 0):
     """A copy of a Llama like ``base`` (``kv_heads`` KV heads: 4 = no GQA, so v -> o folds too) and that copy
     folded with random AWQ factors for every group its layers support (the float function unchanged), the

@@ -185,7 +185,7 @@ def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
     t = {k: (v * 10).to(torch.int32) for k, v in load_file(str(a / names.ADAPTER_WEIGHTS)).items()}
     save_file(t, str(a / names.ADAPTER_WEIGHTS))
     model = load_packed_model(artifact.open_artifact(tiny_pipeline["packed"], names.KIND_PACKED))
-    with pytest.raises(QerlError, match="floating point"):
+    with pytest.raises(QerlError, match="LoRA factors are float16, bfloat16, float32 or float64"):
         adapter.load_lora(a, model)
     with pytest.raises(QerlError, match=r"top_p must be in \(0, 1\]; change that option or --config value\.$"):
         config.load("rollout", rollout.RolloutConfig, None, {"top_p": 1.5, "progress": False, "engine": "ours",

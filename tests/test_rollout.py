@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import SHARED_DATA, random_adapter, run_cli
 from qerl_cli import artifact, names, packed_model, rollout, tasks
+from qerl_cli.adapter import tensors_digest
 from qerl_cli.engine import Engine, derive_seed
 from qerl_cli.errors import QerlError
 
@@ -92,7 +93,7 @@ def test_adapter_is_applied_and_recorded(pipeline, tmp_path):
     b = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "without", **kw)
     meta = json.loads(a.file(names.ROLLOUT_META).read_text())
     assert meta["policy"]["adapter_digest"] == artifact.sha256_json(
-        {"weights": artifact.sha256_file(ad / "adapter_model.safetensors"),
+        {"weights": tensors_digest(load_file(str(ad / "adapter_model.safetensors"))),
          "scalings": {"model.layers.0.self_attn.q_proj": 2.0}, "coordinates": "source"})
     assert any(i["kind"] == "adapter" for i in a.inputs)
     ta, tb = (load_file(str(x.file(names.ROLLOUT_TENSORS))) for x in (a, b))

@@ -19,16 +19,18 @@ folded, ``B / s_out`` for v and up, whose outputs are), and ``lora.save_adapter`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file
 
 from . import names
-from .artifact import sha256_file, sha256_json
+from .artifact import sha256_json
 from .engine import PROJECTIONS, LoRA
 from .errors import QerlError
 
@@ -63,6 +65,10 @@ def pattern_key(patterns, name: str) -> str | None:
         if re.match(rf"(.*\.)?({key})$", name):
             return key
     return name if name in patterns else None  # (peft then looks the name itself up)
+
+
+PEFT_PREFIX = "base_model.model."  # (PEFT's state-dict keys: this, then the module's name in the base model)
+FACTOR_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _unsupported_options(conf: dict) -> list[str]:
@@ -132,6 +138,9 @@ def load_lora(path: str | Path, model) -> LoRA:
         raise QerlError(f"{path / ADAPTER_CONFIG} is not a valid adapter config ({e}).") from None
     if r < 1 or any(v < 1 for v in rank_pattern.values()):
         raise QerlError(f"{path / ADAPTER_CONFIG} has no valid rank r (every rank must be >= 1).")
+    if not all(math.isfinite(v) for v in (alpha, *alpha_pattern.values())):
+        raise QerlError(f"{path / ADAPTER_CONFIG} has a lora_alpha (or alpha_pattern value) that is not a finite "
+                        "number.")
     try:
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
     except Exception as e:  # (safetensors' own error type for a file cut short or not a safetensors file)
@@ -140,12 +149,13 @@ def load_lora(path: str | Path, model) -> LoRA:
     foreign: list[str] = []  # tensors that are not a projection's plain LoRA factor
     magnitudes = False  # DoRA's magnitude vectors
     others: set[str] = set()  # modules outside the projections that carry LoRA factors
+    unprefixed: list[str] = []  # keys PEFT's loader would not match (silently dropped there)
     for key, t in tensors.items():
         name = key
-        for prefix in ("base_model.model.", "base_model."):
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                break
+        if name.startswith(PEFT_PREFIX):
+            name = name[len(PEFT_PREFIX):]
+        else:
+            unprefixed.append(key)
         m = re.fullmatch(r"(.+)\.lora_(embedding_)?([AB])(\.weight)?", name)
         if re.search(r"\.lora_magnitude_vector(\.weight)?$", name):
             magnitudes = True
@@ -163,6 +173,13 @@ def load_lora(path: str | Path, model) -> LoRA:
                         "q/k/v/o/gate/up/down projections of the decoder layers take LoRA)")
     if foreign:
         problems.append(f"tensors other than LoRA factors, such as {', '.join(sorted(foreign)[:2])}")
+    if unprefixed:
+        problems.append(f"tensor names without PEFT's '{PEFT_PREFIX}' prefix, such as {sorted(unprefixed)[0]} (PEFT "
+                        "loads none of them)")
+    untargeted = _untargeted(conf, factors)
+    if untargeted:
+        problems.append(f"factors for modules its config does not target, such as {untargeted[0]} "
+                        "(target_modules / exclude_modules / layers_to_transform: PEFT would not apply them)")
     if problems:
         raise QerlError(f"adapter {path} uses what qerl's engine does not apply: {'; '.join(problems)}.")
     if not factors:
@@ -181,9 +198,9 @@ def load_lora(path: str | Path, model) -> LoRA:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r_m or b.shape[1] != r_m:
             raise QerlError(f"adapter {path} has {name} factors of shapes {tuple(a.shape)}, {tuple(b.shape)}; its "
                             f"config gives it rank {r_m} ([{r_m}, in] and [out, {r_m}]).")
-        if not (a.is_floating_point() and b.is_floating_point()):
+        if not (a.dtype in FACTOR_DTYPES and b.dtype in FACTOR_DTYPES):
             raise QerlError(f"adapter {path} has {name} factors of type {a.dtype}, {b.dtype}; LoRA factors are "
-                            "floating point (an adapter written wrongly?).")
+                            "float16, bfloat16, float32 or float64 (an adapter written wrongly?).")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise QerlError(f"adapter {path} holds NaN or infinite values in {name}.")
         out[name] = (a.float(), b.float())
@@ -198,13 +215,48 @@ def load_lora(path: str | Path, model) -> LoRA:
     # so a changed config is a new adapter to the stages' caches and records (review, session 19)
     # ("coordinates": since session 28 the factors are applied in the source model's coordinates, folded on an
     # AWQ pack: the same file is another policy there than before, so stages keyed on the digest recompute)
-    digest = sha256_json({"weights": sha256_file(path / ADAPTER_WEIGHTS),
+    # ("weights": of the tensors, not the file's bytes: safetensors writes its metadata in no fixed order, so one
+    # adapter saved twice made two files)
+    digest = sha256_json({"weights": tensors_digest(tensors),
                           "scalings": {n: scalings[n] for n in sorted(scalings)}, "coordinates": SOURCE_COORDINATES})
     lora = LoRA(out, scaling, digest)
     lora.unmarked_qerl_checkpoint = _unmarked_qerl_checkpoint(path)
     if model is not None:
         fit_lora(lora, model, path)
     return lora
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order (not over a file's bytes)."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode() + b"\0")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _untargeted(conf: dict, modules) -> list[str]:
+    """The factor modules (names in the base model) that PEFT would not give LoRA under the config's
+    target_modules, exclude_modules, layers_to_transform and layers_pattern (peft's own matching), sorted. A config
+    without target_modules (written by hand: PEFT's own configs always name them) targets what the file holds."""
+    targets = conf.get("target_modules")
+    if targets is None:
+        return []
+    from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
+
+    if isinstance(targets, str) and targets.lower() == "all-linear":  # (every linear but the output layer)
+        targets = list({n.rsplit(".", 1)[-1] for n in modules})
+    rule = SimpleNamespace(target_modules=targets, exclude_modules=conf.get("exclude_modules"),
+                           layers_to_transform=conf.get("layers_to_transform"),
+                           layers_pattern=conf.get("layers_pattern"), modules_to_save=conf.get("modules_to_save"),
+                           target_parameters=None)
+    try:
+        return sorted(n for n in modules
+                      if isinstance(hit := check_target_module_exists(rule, n), _ExcludedModule) or not hit)
+    except (re.error, TypeError, ValueError) as e:
+        raise QerlError(f"adapter config's target_modules / exclude_modules / layers_to_transform cannot be read "
+                        f"({e}).") from None
 
 
 def marked_source(weights: str | Path) -> bool:
