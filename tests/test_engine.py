@@ -257,14 +257,28 @@ def test_group_scope_shares_noise_within_groups(model):
     assert (tf - b.behaviour_logprobs).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("groups,group_size", [(1, 1), (3, 1), (2, 2)])
-def test_group_noise_for_another_batch_is_refused(model, groups, group_size):
+@pytest.mark.parametrize("groups,group_size,says", [(1, 1, "covers 1 rows"), (3, 1, "covers 3 rows"),
+                                                     (2, 2, "covers 4 rows"), (6, 1, "has 6 groups of 1 rows")])
+def test_group_noise_for_another_batch_is_refused(model, groups, group_size, says):
     """A per-group draw made for another batch shape is one clear error, not a silent broadcast (a one-row draw
-    would give every prompt the same noise while the rollout logs it as per group; review, session 19)."""
+    would give every prompt the same noise while the rollout logs it as per group; review, session 19). (review,
+    session 31) So is one of the right row count in groups of another size: 6 groups of 1 for 3 prompts x G = 2
+    ran each prompt's prefill under one row's draw and its other row's decode under another."""
     eng = Engine(model)
     eng.set_noise(0.05, 1, scope="group", groups=groups, group_size=group_size)
-    with pytest.raises(QerlError, match=r"per-group noise draw covers \d+ rows, but this batch has 3 prompts x G = 2"):
+    with pytest.raises(QerlError, match=rf"per-group noise draw {says}, but this batch has 3 prompts x G = 2"):
         eng.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=4), 3, {EOS}, PAD)
+
+
+def test_a_model_whose_mlp_is_not_silu_is_refused(model):
+    """(review, session 31) The engine computes SiLU(gate) * up whatever the config says: a Llama with hidden_act
+    'gelu' passed quantize, pack and verify, and its rollouts sampled from another function than the model's."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.config.hidden_act = "gelu"
+    with pytest.raises(QerlError, match="computes SiLU MLPs, but this model's hidden_act is 'gelu'"):
+        Engine(other)
 
 
 def test_lora_applied_beside_the_base_and_swappable(model):

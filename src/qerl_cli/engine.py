@@ -487,6 +487,9 @@ class Engine:
         mt = getattr(model.config, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise QerlError(f"the rollout engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not '{mt}'.")
+        act = getattr(model.config, "hidden_act", "silu")
+        if act != "silu":  # (its MLP is SiLU(gate) * up, in torch and in the fused kernels alike)
+            raise QerlError(f"the rollout engine computes SiLU MLPs, but this model's hidden_act is '{act}'.")
         self.model = model.eval()
         p = next(model.parameters())
         self.device = torch.device(device) if device is not None else p.device
@@ -513,6 +516,7 @@ class Engine:
                               for i in range(len(self.layers))]
         self.noise = NoiseState()
         self._noisy: list[dict[str, torch.Tensor]] | None = None  # [H] or [R, 1, H] per layer and target
+        self._noise_groups: tuple[int, int] | None = None  # a per-group draw's (groups, group_size)
         self._noisy_final: torch.Tensor | None = None  # the final norm's draw, where asked
         self.lora: LoRA | None = None
         self.use_graph = cuda_graph and self.device.type == "cuda" and not _reference_packed(model)
@@ -627,6 +631,7 @@ class Engine:
         self.noise = NoiseState(sigma=sigma, seed=seed, scope=scope, final_norm=bool(final_norm and sigma > 0),
                                 draws=self.noise.draws + (sigma > 0))
         self._noisy_final = None
+        self._noise_groups = (groups, group_size) if scope == "group" else None
         if sigma == 0:
             self._noisy = None
             return self.noise
@@ -657,6 +662,7 @@ class Engine:
         """Keep only ``rows`` of a per-group draw (a training forward over a subset of the sampled groups)."""
         if self._noisy is not None and self.noise.scope == "group":
             self._noisy = [{t: v[rows] for t, v in d.items()} for d in self._noisy]
+            self._noise_groups = None  # (a subset of rows: no longer groups of one size)
             if self._noisy_final is not None:
                 self._noisy_final = self._noisy_final[rows]
 
@@ -1273,9 +1279,13 @@ class Engine:
         check_positions(self.model.config, p_len, t_new)
         if self._noisy is not None and self.noise.scope == "group":
             drawn = next(iter(self._noisy[0].values())).shape[0]
-            if drawn != r:  # (a draw of one row would broadcast over every prompt: batch noise, logged as per group)
-                raise QerlError(f"the per-group noise draw covers {drawn} rows, but this batch has {b} prompts x G = "
-                                f"{g} = {r} rows: draw it with set_noise(..., groups={b}, group_size={g}).")
+            # (a draw of one row would broadcast over every prompt: batch noise, logged as per group; b * G rows
+            # drawn in groups of another size: the prefill, one row per prompt, ran under another row's draw)
+            shape = (f"covers {drawn} rows" if drawn != r or self._noise_groups is None else
+                     "has {} groups of {} rows".format(*self._noise_groups))
+            if drawn != r or self._noise_groups not in (None, (b, g)):
+                raise QerlError(f"the per-group noise draw {shape}, but this batch has {b} prompts x G = {g} = {r} "
+                                f"rows: draw it with set_noise(..., groups={b}, group_size={g}).")
         slots = self.cache_slots(p_len, t_new)
         ids = torch.full((b, p_len), pad_id, dtype=torch.long)
         pmask = torch.zeros(b, p_len, dtype=torch.bool)
