@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -719,3 +720,29 @@ def test_run_key_holds_what_changes_the_run_and_nothing_else(tiny_pipeline, tmp_
     held.write_text(held.read_text().replace("#### 2", "#### 9"))
     with pytest.raises(QerlError, match="already holds a different 'run' artifact"):
         train.train(tiny_pipeline["packed"], tmp_path / "b", **kw, overrides=ovr_eval)
+
+
+def test_an_adapter_is_refused_on_another_model_of_its_shapes(tiny_pipeline, tmp_path, reward, smollm2_tokenizer):
+    """(review, session 31) An adapter fit any model of its shapes: one trained on a pack of one fine-tune was run
+    on another fine-tune of the same architecture without a word. The saved adapter now names the source model it
+    was trained on (through the pack's lineage), and rollout and evaluate refuse it on another model's weights;
+    on that model itself, its pack or its quant, it runs."""
+    from conftest import build_tiny_llama
+    from qerl_cli import evaluate
+    from qerl_cli.adapter import load_lora
+
+    kw = TINY | {"steps": 1, "save_every": 1, "sigma_start": 0.0, "sigma_end": 0.0}
+    run = train.train(tiny_pipeline["packed"], tmp_path / "run", **kw, overrides=OVR)
+    ad = run.path / names.STEP_DIR.format(1)
+    source = rollout.base_model([artifact.open_artifact(tiny_pipeline["packed"], names.KIND_PACKED)])
+    assert load_lora(ad, None).base_model == source and source["digest"].startswith("sha256:")
+    other = build_tiny_llama(tmp_path / "other", smollm2_tokenizer, seed=5)  # (same shapes, other weights)
+    ekw = dict(num_examples=1, max_new_tokens=2, progress=False)
+    with pytest.raises(QerlError, match=r"was trained on the model .* but this policy's weights come from .*other"):
+        evaluate.evaluate(str(other), "arith:1", tmp_path / "e-other", adapter=ad, **ekw)
+    with pytest.raises(QerlError, match="was trained on the model"):
+        rollout.rollout(str(other), "arith:1", tmp_path / "r-other", adapter=ad, group=1, max_new_tokens=2,
+                        progress=False)
+    assert not (tmp_path / "e-other").exists() and not (tmp_path / "r-other").exists()
+    for src in (tiny_pipeline["model"], tiny_pipeline["quant"], tiny_pipeline["packed"]):
+        evaluate.evaluate(str(src), "arith:1", tmp_path / f"e-{Path(src).name}", adapter=ad, **ekw)

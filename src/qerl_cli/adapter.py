@@ -38,6 +38,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # safetensors metadata qerl writes with an adapter (lora.save_adapter): its factors are the source model's
 COORDINATES_KEY, SOURCE_COORDINATES = "qerl_coordinates", "source"
+# the source model an adapter was trained on ({"spec", "digest"}, JSON), in the weights file's metadata since
+# session 31 (``lora.save_adapter``; ``check_base_model``)
+BASE_MODEL_KEY = "qerl_base_model"
 
 # adapter_config.json entries that change what the adapter computes beyond plain LoRA (when set / true)
 UNSUPPORTED_OPTIONS = {
@@ -221,6 +224,7 @@ def load_lora(path: str | Path, model) -> LoRA:
                           "scalings": {n: scalings[n] for n in sorted(scalings)}, "coordinates": SOURCE_COORDINATES})
     lora = LoRA(out, scaling, digest)
     lora.unmarked_qerl_checkpoint = _unmarked_qerl_checkpoint(path)
+    lora.base_model = _recorded_base_model(path / ADAPTER_WEIGHTS)
     if model is not None:
         fit_lora(lora, model, path)
     return lora
@@ -257,6 +261,31 @@ def _untargeted(conf: dict, modules) -> list[str]:
     except (re.error, TypeError, ValueError) as e:
         raise QerlError(f"adapter config's target_modules / exclude_modules / layers_to_transform cannot be read "
                         f"({e}).") from None
+
+
+def _recorded_base_model(weights: Path) -> dict | None:
+    """The ``{"spec", "digest"}`` of the model an adapter was trained on, where its file records one."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        raw = (f.metadata() or {}).get(BASE_MODEL_KEY)
+    try:
+        base = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return base if isinstance(base, dict) and isinstance(base.get("digest"), str) else None
+
+
+def check_base_model(lora: LoRA, base: dict | None, path: str | Path) -> None:
+    """One clear error when ``lora`` (read from ``path``) records the model it was trained on and ``base`` (the
+    policy's source model, ``rollout.base_model``) is another: the shapes of two fine-tunes of one architecture
+    agree, so the fit alone lets it through, and the adapter would run on weights it never saw."""
+    trained = getattr(lora, "base_model", None)
+    if trained is None or base is None or trained["digest"] == base["digest"]:
+        return
+    raise QerlError(f"adapter {path} was trained on the model {trained.get('spec')} ({trained['digest'][:19]}), but "
+                    f"this policy's weights come from {base['spec']} ({base['digest'][:19]}); give it the model it "
+                    "was trained on, or that model's pack.")
 
 
 def marked_source(weights: str | Path) -> bool:

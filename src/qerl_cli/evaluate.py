@@ -20,7 +20,7 @@ from . import artifact, config, names, stats, tasks, ui
 from .engine import Engine, SamplingConfig, derive_seed
 from .errors import QerlError
 from .modelio import fix_tokenizer
-from .rollout import BATCH_SEEDS_DEFINITION, eos_ids, resolve_policy
+from .rollout import BATCH_SEEDS_DEFINITION, base_model, eos_ids, resolve_policy
 
 
 @dataclass
@@ -93,9 +93,11 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         raise QerlError(f"{data_spec} holds no problems.")
     tok, input_arts, info, load_model = _resolve_source(source, device, verify_dir, skip_verify)
     fix_tokenizer(tok)
-    from .adapter import fit_lora, load_lora
+    from .adapter import check_base_model, fit_lora, load_lora
 
     lora = load_lora(adapter, None) if adapter is not None else None  # (fit to the model once it loads)
+    if lora is not None:
+        check_base_model(lora, base_model(input_arts), adapter)
     lora_digest = lora.digest if lora is not None else None
     dataset_id = artifact.sha256_json([[p.question, p.answer] for p in problems])
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]

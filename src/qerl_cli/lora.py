@@ -15,6 +15,7 @@ On an AWQ pack the factors train in the pack's folded coordinates; the file hold
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -164,15 +165,19 @@ def save_adapter(pm, path: str | Path) -> None:
     model card."""
     from safetensors.torch import load_file, save_file
 
-    from .adapter import ADAPTER_WEIGHTS, COORDINATES_KEY, SOURCE_COORDINATES, model_folding
+    from .adapter import ADAPTER_WEIGHTS, BASE_MODEL_KEY, COORDINATES_KEY, SOURCE_COORDINATES, model_folding
 
     path = Path(path)
     pm.save_pretrained(str(path), safe_serialization=True)
     (path / "README.md").unlink(missing_ok=True)
-    # always rewritten: the metadata marks the factors as the source model's (adapter.COORDINATES_KEY)
+    # always rewritten: the metadata marks the factors as the source model's (adapter.COORDINATES_KEY), and names
+    # that model where the stage knows it (adapter.BASE_MODEL_KEY: stages refuse the adapter on another model)
     f = path / ADAPTER_WEIGHTS
-    save_file(refold(load_file(str(f)), model_folding(pm.get_base_model()), to_model=False), str(f),
-              metadata={"format": "pt", COORDINATES_KEY: SOURCE_COORDINATES})
+    meta = {"format": "pt", COORDINATES_KEY: SOURCE_COORDINATES}
+    base = getattr(pm.get_base_model(), "qerl_base_model", None)
+    if base is not None:
+        meta[BASE_MODEL_KEY] = json.dumps(base, sort_keys=True)
+    save_file(refold(load_file(str(f)), model_folding(pm.get_base_model()), to_model=False), str(f), metadata=meta)
 
 
 def load_adapter_weights(pm, path: str | Path, exact: dict[str, torch.Tensor] | None = None) -> None:

@@ -133,15 +133,50 @@ def resolve_policy(source: str | Path, device: str, dtype: torch.dtype | None = 
             v = require_verified(packed, verify_dir, device)
             inputs.append(v)
             info["verify"] = v.digest
-        return AutoTokenizer.from_pretrained(str(packed.path)), inputs, info, lambda: load_packed_model(packed, dt, device)
+        return (AutoTokenizer.from_pretrained(str(packed.path)), inputs, info,
+                _with_base(lambda: load_packed_model(packed, dt, device), inputs))
     ms = modelio.resolve(str(source))
     tok = modelio.load_tokenizer(ms)
     modelio.fix_tokenizer(tok)  # (as modelio.load leaves it)
+    inputs = [ms.as_input()]
 
     def load():
         return modelio.load(ms, dt)[0].to(device)
 
-    return tok, [ms.as_input()], {"weights": str(dt).replace("torch.", ""), "model": ms.spec}, load
+    return tok, inputs, {"weights": str(dt).replace("torch.", ""), "model": ms.spec}, _with_base(load, inputs)
+
+
+def base_model(inputs: list) -> dict | None:
+    """The source model a policy's weights come from, ``{"spec", "digest"}``: its model input, or the model input
+    of a packed artifact's quant checkpoint (read from the lineage the manifests record); None where that cannot
+    be followed (a quant moved away, or changed since the pack was made)."""
+    def of_quant(q: artifact.Artifact) -> dict | None:
+        m = next((j for j in q.inputs if j.get(names.K_KIND) == names.KIND_MODEL), None)
+        return {"spec": m[names.K_PATH], "digest": m[names.K_DIGEST]} if m is not None else None
+
+    for a in inputs:
+        if isinstance(a, artifact.Input) and a.kind == names.KIND_MODEL:
+            return {"spec": a.path, "digest": a.digest}
+        if isinstance(a, artifact.Artifact) and a.kind == names.KIND_QUANT:
+            return of_quant(a)
+        if isinstance(a, artifact.Artifact) and a.kind == names.KIND_PACKED:
+            i = next((i for i in a.inputs if i.get(names.K_KIND) == names.KIND_QUANT), None)
+            try:
+                q = artifact.open_artifact((a.path / i[names.K_PATH]).resolve(), names.KIND_QUANT, check_files=False)
+            except (QerlError, TypeError):  # (no quant input, or the quant is gone)
+                return None
+            return of_quant(q) if q.digest == i[names.K_DIGEST] else None
+    return None
+
+
+def _with_base(load, inputs: list):
+    """``load`` whose model carries ``qerl_base_model`` (``base_model(inputs)``): adapters saved from it record
+    the model they were trained on (``lora.save_adapter``)."""
+    def loaded():
+        model = load()
+        model.qerl_base_model = base_model(inputs)
+        return model
+    return loaded
 
 
 def load_policy(source: str | Path, device: str, dtype: torch.dtype | None = None, verify_dir=None,
@@ -224,9 +259,11 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     if not texts:
         raise QerlError(f"{prompts} holds no prompts.")
     prompt_ids = [tasks.chat_prompt(tok, t) for t in texts]
-    from .adapter import fit_lora, load_lora, model_folding
+    from .adapter import check_base_model, fit_lora, load_lora, model_folding
 
     lora = load_lora(adapter, None) if adapter is not None else None  # (fit to the model once it loads)
+    if lora is not None:
+        check_base_model(lora, base_model(input_arts), adapter)
     lora_digest = lora.digest if lora is not None else None
     inputs = [a.as_input(output) if isinstance(a, artifact.Artifact) else a for a in input_arts]
     # the rewards depend on the gold answers and the verifier as much as on the questions
