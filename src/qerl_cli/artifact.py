@@ -104,6 +104,12 @@ class Artifact:
     def inputs(self) -> list[dict]:
         return self.manifest.get(names.K_INPUTS, [])
 
+    def input_of(self, kind: str) -> tuple[Path, str] | None:
+        """(path, digest) of this artifact's first input of ``kind`` as its manifest records it (the path resolved:
+        it is stored relative to this artifact); None without one."""
+        i = next((i for i in self.inputs if i.get(names.K_KIND) == kind), None)
+        return None if i is None else ((self.path / i[names.K_PATH]).resolve(), i[names.K_DIGEST])
+
     def file(self, rel: str) -> Path:
         return _safe_relpath(rel, self.path)
 

@@ -160,12 +160,12 @@ def base_model(inputs: list) -> dict | None:
         if isinstance(a, artifact.Artifact) and a.kind == names.KIND_QUANT:
             return of_quant(a)
         if isinstance(a, artifact.Artifact) and a.kind == names.KIND_PACKED:
-            i = next((i for i in a.inputs if i.get(names.K_KIND) == names.KIND_QUANT), None)
+            recorded = a.input_of(names.KIND_QUANT)
             try:
-                q = artifact.open_artifact((a.path / i[names.K_PATH]).resolve(), names.KIND_QUANT, check_files=False)
-            except (QerlError, TypeError):  # (no quant input, or the quant is gone)
-                return None
-            return of_quant(q) if q.digest == i[names.K_DIGEST] else None
+                q = artifact.open_artifact(recorded[0], names.KIND_QUANT, check_files=False) if recorded else None
+            except QerlError:  # (the quant is gone)
+                q = None
+            return of_quant(q) if q is not None and q.digest == recorded[1] else None
     return None
 
 
@@ -244,14 +244,13 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         "top_p": top_p, "top_k": top_k, "num_prompts": num_prompts, "noise_scope": noise_scope,
         "prompt_seed": prompt_seed, "noise_final_norm": noise_final_norm, "progress": progress, "engine": engine,
         "device": device})
-    quant_inputs = []
+    quant = None  # (the vLLM engine's checkpoint: the pack's quant input)
     if cfg.engine == "vllm":
         from . import vllm_backend
 
         vllm_backend.require()
-        quant_inputs = [i for i in artifact.open_artifact(source, names.KIND_PACKED).inputs
-                        if i.get(names.K_KIND) == names.KIND_QUANT]
-        if not quant_inputs:
+        quant = artifact.open_artifact(source, names.KIND_PACKED).input_of(names.KIND_QUANT)
+        if quant is None:
             raise QerlError("--engine vllm needs a packed artifact made from a quant checkpoint.")
     tok, input_arts, info, load_model = resolve_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
     modelio.fix_tokenizer(tok)
@@ -283,7 +282,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     if hit is not None:  # (before the model loads: minutes for a large one)
         _print(json.loads(hit.file(names.ROLLOUT_META).read_text())["summary"], hit.path)
         return hit
-    vllm_engine = (vllm_backend.VLLMEngine(str((Path(source) / quant_inputs[0][names.K_PATH]).resolve()))
+    vllm_engine = (vllm_backend.VLLMEngine(str(quant[0]))
                    if cfg.engine == "vllm" else None)
     model = load_model()
     check_positions(model.config, max(map(len, prompt_ids)), cfg.max_new_tokens)  # (every engine, not only ours)

@@ -323,10 +323,10 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
     cfg = config.load("verify", VerifyConfig, config_file, {"progress": progress, "device": device})
     p = artifact.open_artifact(packed, names.KIND_PACKED)
     if against is None:
-        quant_inputs = [i for i in p.inputs if i.get(names.K_KIND) == names.KIND_QUANT]
-        if not quant_inputs:
+        recorded = p.input_of(names.KIND_QUANT)
+        if recorded is None:
             raise QerlError(f"{packed} records no quant input; pass --against QUANT.")
-        against = (p.path / quant_inputs[0][names.K_PATH]).resolve()
+        against = recorded[0]
     q = artifact.open_artifact(against, names.KIND_QUANT)
     lineage_ok = any(i.get(names.K_DIGEST) == q.digest for i in p.inputs)
     backend = backend_name(cfg.device)
