@@ -222,7 +222,8 @@ def main() -> None:
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--profile", action="store_true",
-                    help="profile the 7B-shape NVFP4 decode step at batch 8 (with --lora-only: with the adapter)")
+                    help="profile the 7B-shape NVFP4 decode step at batch 8 (with --lora-only: with the adapter) and, "
+                         "unless --skip-smollm2, the SmolLM2 decode step at batch 256 in bf16 and NVFP4")
     ap.add_argument("--lora-only", action="store_true",
                     help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
                          "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
@@ -299,7 +300,7 @@ def main() -> None:
         base, tok = random_model(smollm2_config()), None
         result["smollm2_weights"] = "random at SmolLM2 shapes"
     if not args.skip_smollm2:
-        smollm2_part(base, tok, result, rows, save)
+        smollm2_part(base, tok, result, rows, save, profile=args.profile)
         base = None
 
     # (b) Qwen2.5-7B shapes, random weights
@@ -351,11 +352,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["qwen7b_weight_bytes"] = weight_bytes(big)
         if args.profile:
-            try:
-                result["qwen7b_nvfp4_decode_profile_b8"] = profile_decode(big, 8, 256, 152064)
-            except Exception as e:  # the profile is a diagnosis: never lose the throughput rows to it
-                result["qwen7b_nvfp4_decode_profile_b8"] = {"error": repr(e)}
-            save()
+            _profiled(result, "qwen7b_nvfp4_decode_profile_b8", lambda: profile_decode(big, 8, 256, 152064), save)
         for batch in (8, 64):
             rows.append({"model": "Qwen2.5-7B-shape", "engine": "ours-nvfp4", "batch": batch,
                          **time_engine(big, batch, 256, 512, 152064)})
@@ -664,7 +661,17 @@ def rl_part(rows, save, batches: list[int]) -> None:
                 save()
 
 
-def smollm2_part(base, tok, result, rows, save) -> None:
+def _profiled(result, key, fn, save) -> None:
+    """``result[key] = fn()``, or the error it raised (a profile is a diagnosis: never lose the throughput rows to
+    it)."""
+    try:
+        result[key] = fn()
+    except Exception as e:
+        result[key] = {"error": repr(e)}
+    save()
+
+
+def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
     # one model on the GPU at a time, so that each row's peak memory is its own model's: first the bf16 model
     # (our engine, HF generate), then the same model packed in place (a packed copy beside it put the other
     # model's weights into every row's peak)
@@ -675,6 +682,8 @@ def smollm2_part(base, tok, result, rows, save) -> None:
         r = time_hf(base, batch, 128, 256, 49152)
         rows.append({"model": "SmolLM2-135M", "engine": "hf-generate-bf16", "batch": batch, **r})
         save()
+    if profile:  # (session 31: at batch 256 our step is 2.5 ms bf16 against HF's 14.7, short of 10x)
+        _profiled(result, "smollm2_bf16_decode_profile_b256", lambda: profile_decode(base, 256, 128, 49152), save)
     nv = pack_model_inplace(base)
     del base
     gc.collect()
@@ -695,6 +704,8 @@ def smollm2_part(base, tok, result, rows, save) -> None:
         r = time_engine(nv, batch, 128, 256, 49152)
         rows.append({"model": "SmolLM2-135M", "engine": "ours-nvfp4", "batch": batch, **r})
         save()
+    if profile:
+        _profiled(result, "smollm2_nvfp4_decode_profile_b256", lambda: profile_decode(nv, 256, 128, 49152), save)
     result["smollm2_weight_bytes"] = weight_bytes(nv)
     del nv
     gc.collect()

@@ -159,7 +159,9 @@
 #                                  rollouts kept with and without it (PFARM)
 #   74                             session 30: the default build, every GPU test file (-rfs: skip reasons logged)
 #   75                             session 31: the default build, bench_rollout.py's full default run (SmolLM2 shapes
-#                                  with HF generate, 7B shapes with HF generate and the ablations)
+#                                  with HF generate, 7B shapes with HF generate and the ablations); ran on an H100
+#   76                             session 31 (prepared, not yet run): the default build, the SmolLM2 rows with their
+#                                  batch-256 decode steps profiled (bench_rollout.py --profile --skip-7b)
 #   70                             (keep-graph, merged in session 28) part 69's build and engine GPU tests only (little
 #                                  device time); session 28 on an H100 (results/s28/part70_*)
 #   69                             (keep-graph, merged in session 28; prepared in session 25, not yet run as a whole)
@@ -790,6 +792,18 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
+  ;;
+76)
+  # session 31 (prepared, not yet run): the default build, then bench_rollout.py --profile --skip-7b: the SmolLM2
+  # shapes' rows at batch 64 and 256 (ours NVFP4 / bf16, HF generate) and the decode step at batch 256 profiled
+  # in bf16 and NVFP4 (where the 2.5-2.9 ms per step go, against HF's 14.7: the 10x target), for at most T76
+  # (default 400) seconds
+  sm90_start
+  build; stamp 76 "build done"
+  COLUMNS=200 timeout $(( ${T76:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
+    --skip-7b --json "$OUT/rollout_smollm2_profile.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_profile.log" \
+    | grep -v '^{' | grep -v '━\|──'
+  stamp 76 "rollouts and profiles done"
   ;;
 75)
   # session 31: the default build, then bench_rollout.py with no arm flag (session 30's fixed bench: one model

@@ -216,3 +216,39 @@ def test_bench_rollout_table_shows_no_prefill_split_for_hf(monkeypatch, capsys):
                                          "peak_alloc_gib": 1.2}])
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "hf-generate-bf16" in ln)
     assert "0.000" not in line and "12.345" not in line, line
+
+
+def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp_path):
+    """--profile also profiles SmolLM2's decode step at batch 256 (session 31: 2.5 ms bf16 against HF's 14.7, short
+    of the 10x target), the bf16 model before it is packed and the NVFP4 one after; a profile that fails is
+    recorded as its error and the throughput rows are kept."""
+    import json
+    import sys
+
+    import torch
+
+    from qerl_cli.packed_model import PackedLinear
+
+    br = _load_bench("bench_rollout")
+    profiled = []
+
+    def fake_profile(model, batch, p_len, vocab, **kw):
+        profiled.append((model.config.model_type, batch, any(isinstance(m, PackedLinear) for m in model.modules())))
+        if len(profiled) == 2:
+            raise RuntimeError("profiler broke")
+        return {"batch": batch}
+
+    row = {"tokens": 1, "wall_s": 1.0, "tokens_per_s": 1.0, "peak_alloc_gib": 0.0}
+    monkeypatch.setattr(br, "random_model", _tiny)
+    monkeypatch.setattr(br, "time_engine", lambda *a, **k: row | {"prefill_s": 0.1, "decode_s": 0.9,
+                                                                    "decode_state": "new", "decode_setup_s": 0.0})
+    monkeypatch.setattr(br, "time_hf", lambda *a, **k: dict(row))
+    monkeypatch.setattr(br, "correctness", lambda *a, **k: {})
+    monkeypatch.setattr(br, "profile_decode", fake_profile)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--profile", "--skip-7b", "--json", str(tmp_path / "r.json")])
+    br.main()
+    assert profiled == [("llama", 256, False), ("llama", 256, True)]
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert out["smollm2_bf16_decode_profile_b256"] == {"batch": 256}
+    assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256"]["error"] and len(out["runs"]) == 6
