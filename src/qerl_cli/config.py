@@ -27,6 +27,15 @@ _NOT_RESULT_ENV = {"QERL_KERNEL_VERBOSE", "QERL_KERNEL_TIMELINE", "QERL_KERNEL_A
 _ENGINE_ENV_PREFIXES = ("QERL_ENGINE_", "QERL_ATTN_CLUSTER")  # the engine's (not the NVFP4 kernels') switches
 
 
+def without_unused_sampling(run_config: dict, temperature: float, sigma: float) -> dict:
+    """``run_config`` for a cache key, with what a greedy draw ignores set to None: greedy (temperature 0) draws
+    nothing, so top-p / top-k, and without AQN (sigma 0) the seed, change no token (the fields the config has)."""
+    if temperature != 0:
+        return run_config
+    unused = [k for k in ("top_p", "top_k") if k in run_config] + (["seed"] if sigma == 0 else [])
+    return run_config | dict.fromkeys(unused)
+
+
 def result_env() -> dict:
     """{"result_env": {...}} of the switches set in this environment (see above), or {} when none is."""
     import os

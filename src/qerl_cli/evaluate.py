@@ -113,9 +113,9 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
 
     scoring = tasks.verifier()  # the answer checker that ran (results differ between checkers)
     # (seeds: how each batch's seeds follow from seed, which session 28 changed: part of the key)
-    run_config = config.as_dict(cfg) | {"verifier": scoring, "seeds": BATCH_SEEDS_DEFINITION} | config.result_env()
-    if cfg.temperature == 0:  # greedy draws nothing: top-p, and without AQN the seed, change no token (not in the key)
-        run_config |= {"top_p": None} | ({"seed": None} if cfg.sigma == 0 else {})
+    run_config = config.without_unused_sampling(
+        config.as_dict(cfg) | {"verifier": scoring, "seeds": BATCH_SEEDS_DEFINITION} | config.result_env(),
+        cfg.temperature, cfg.sigma)
     hit = artifact.cached(names.KIND_EVAL, output, run_config, inputs, force)
     if hit is None:  # (a cache hit loads no model)
         model = load_model()

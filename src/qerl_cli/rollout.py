@@ -275,9 +275,9 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     # the answer checker that scored (results differ between checkers): recorded, and part of the key
     # num_prompts as the count it selected (the prompts input holds their texts): --num-prompts 4 and 0 (= all)
     # on a 4-prompt set are one rollout
-    run_config = config.as_dict(cfg) | {"verifier": scoring, "num_prompts": len(texts)} | config.result_env()
-    if cfg.temperature == 0:  # greedy draws nothing: top-p / top-k, and without AQN the seed, change no token
-        run_config |= {"top_p": None, "top_k": None} | ({"seed": None} if cfg.sigma == 0 else {})
+    run_config = config.without_unused_sampling(
+        config.as_dict(cfg) | {"verifier": scoring, "num_prompts": len(texts)} | config.result_env(),
+        cfg.temperature, cfg.sigma)
     hit = artifact.cached(names.KIND_ROLLOUT, output, run_config, inputs, force)
     if hit is not None:  # (before the model loads: minutes for a large one)
         _print(json.loads(hit.file(names.ROLLOUT_META).read_text())["summary"], hit.path)
