@@ -671,6 +671,19 @@ def _profiled(result, key, fn, save) -> None:
     save()
 
 
+def _smollm2_attn_arm(model, engine: str, rows, save) -> None:
+    """SmolLM2 shapes at batch 256: decode attention in our kernel past one wave (``decode_attn=True``) against
+    the default (``"auto"``: the kernel only where its blocks fit one wave, else SDPA), interleaved twice. At batch
+    256 the 768 (row, KV head) pairs, two splits each over 384 slots, are about four waves of the kernel's 64 KiB
+    blocks, so the default step attends in SDPA (session 18 measured SDPA ahead past one wave on the 7B heads, not
+    these 64-wide ones)."""
+    for _ in range(2):
+        for name, attn in (("", None), (" attn-kernel", True)):
+            rows.append({"model": "SmolLM2-135M", "engine": engine + name, "batch": 256,
+                         **time_engine(model, 256, 128, 256, 49152, decode_attn=attn)})
+            save()
+
+
 def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
     # one model on the GPU at a time, so that each row's peak memory is its own model's: first the bf16 model
     # (our engine, HF generate), then the same model packed in place (a packed copy beside it put the other
@@ -683,6 +696,7 @@ def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
         rows.append({"model": "SmolLM2-135M", "engine": "hf-generate-bf16", "batch": batch, **r})
         save()
     if profile:  # (session 31: at batch 256 our step is 2.5 ms bf16 against HF's 14.7, short of 10x)
+        _smollm2_attn_arm(base, "ours-bf16", rows, save)
         _profiled(result, "smollm2_bf16_decode_profile_b256", lambda: profile_decode(base, 256, 128, 49152), save)
     nv = pack_model_inplace(base)
     del base
@@ -705,7 +719,10 @@ def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
         rows.append({"model": "SmolLM2-135M", "engine": "ours-nvfp4", "batch": batch, **r})
         save()
     if profile:
+        _smollm2_attn_arm(nv, "ours-nvfp4", rows, save)
         _profiled(result, "smollm2_nvfp4_decode_profile_b256", lambda: profile_decode(nv, 256, 128, 49152), save)
+        _profiled(result, "smollm2_nvfp4_decode_profile_b256_attn_kernel",
+                  lambda: profile_decode(nv, 256, 128, 49152, decode_attn=True), save)
     result["smollm2_weight_bytes"] = weight_bytes(nv)
     del nv
     gc.collect()
