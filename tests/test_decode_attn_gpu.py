@@ -268,6 +268,22 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch, mode):
     declining.decode_attn = True
     declined = declining.generate(PROMPTS, 2, cfg, 0, set(), 0)
     assert torch.equal(declined.completion_ids, b.completion_ids)
+    # a declined step builds its mask once, in its first layer, for all of them (not once per layer)
+    built = {"mask": 0, "forward": 0}
+
+    def count(key, real):
+        def counted(*a, **k):
+            built[key] += 1
+            return real(*a, **k)
+        return counted
+
+    eager_declining = Engine(model64, "cuda", cuda_graph=False)
+    eager_declining.decode_attn = True
+    monkeypatch.setattr(eager_declining, "_mask", count("mask", eager_declining._mask))
+    monkeypatch.setattr(eager_declining, "forward", count("forward", eager_declining.forward))
+    assert torch.equal(eager_declining.generate(PROMPTS, 2, cfg, 0, set(), 0).completion_ids, b.completion_ids)
+    assert built["forward"] > 2 and built["mask"] == built["forward"], built
+    assert eager_declining._step_mask is None  # (not kept past its forward)
 
 
 def test_rope_table_rows_are_the_rotary_modules_bits(model64):

@@ -601,6 +601,9 @@ class Engine:
         # (fused.rope_decode_attn: one kernel instead of rope_kv + decode_attn, the same bits);
         # QERL_ENGINE_ROPE_IN_ATTN=0 (or False) keeps the two kernels
         self.rope_in_attn = os.environ.get("QERL_ENGINE_ROPE_IN_ATTN", "1") != "0"
+        # a decode step's additive mask where fused.decode_attn declined it in a layer: built once, in the first
+        # such layer, and reused by the others of the same forward (reset at each forward's start and end)
+        self._step_mask: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -794,19 +797,23 @@ class Engine:
         dattn = kernels and cache is not None and t == 1 and attend is None and self._decode_attn_ok()
         mask = None if dattn else self._mask(key_mask, s_len, qpos, h.dtype if kernels else None)
         pending = None  # with the kernels, each layer's MLP output is added inside the next layer's norm
-        for i in range(len(self.layers)):
-            nw = norms[i]
-            w_in, w_post = nw["input_layernorm"], nw["post_attention_layernorm"]
-            if rows is not None and w_in.dim() == 3:
-                w_in, w_post = w_in[rows], w_post[rows]
-            if ckpt:  # keep only each layer's input; recompute the layer in the backward pass
-                h = torch.utils.checkpoint.checkpoint(self._layer, i, h, w_in, w_post, cos, sin, mask, None, None,
-                                                      use_reentrant=False)
-            elif kernels:
-                h, pending = self._layer_kernels(i, h, pending, w_in, w_post, cos, sin, mask, cache, qpos,
-                                                 key_mask if dattn else None)
-            else:
-                h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, qpos)
+        self._step_mask = None
+        try:
+            for i in range(len(self.layers)):
+                nw = norms[i]
+                w_in, w_post = nw["input_layernorm"], nw["post_attention_layernorm"]
+                if rows is not None and w_in.dim() == 3:
+                    w_in, w_post = w_in[rows], w_post[rows]
+                if ckpt:  # keep only each layer's input; recompute the layer in the backward pass
+                    h = torch.utils.checkpoint.checkpoint(self._layer, i, h, w_in, w_post, cos, sin, mask, None,
+                                                          None, use_reentrant=False)
+                elif kernels:
+                    h, pending = self._layer_kernels(i, h, pending, w_in, w_post, cos, sin, mask, cache, qpos,
+                                                     key_mask if dattn else None)
+                else:
+                    h = self._layer(i, h, w_in, w_post, cos, sin, mask, cache, qpos)
+        finally:
+            self._step_mask = None
         fw = self.effective_final_norm()
         if rows is not None and fw.dim() == 3:
             fw = fw[rows]
@@ -988,8 +995,10 @@ class Engine:
             if k is not kc:  # (the fused kernel has written them already)
                 kc.index_copy_(2, slots, k.to(kc.dtype))  # slots: this call's T cache slots (one per forward)
                 vc.index_copy_(2, slots, v.to(vc.dtype))
-            if mask is None:  # (fused.decode_attn declined this step)
-                mask = self._mask(key_mask, kc.shape[2], slots, x.dtype)
+            if mask is None:  # (fused.decode_attn declined this step: one mask for all the forward's layers)
+                if self._step_mask is None:
+                    self._step_mask = self._mask(key_mask, kc.shape[2], slots, x.dtype)
+                mask = self._step_mask
             n = mask.shape[-1]  # the slots this forward can attend to (fewer than the cache in a prefill)
             k, v = (kc, vc) if n == kc.shape[2] else (kc[:, :, :n], vc[:, :, :n])
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
