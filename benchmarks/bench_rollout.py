@@ -676,11 +676,23 @@ def _smollm2_attn_arm(model, engine: str, rows, save) -> None:
     the default (``"auto"``: the kernel only where its blocks fit one wave, else SDPA), interleaved twice. At batch
     256 the 768 (row, KV head) pairs, two splits each over 384 slots, are about four waves of the kernel's 64 KiB
     blocks, so the default step attends in SDPA (session 18 measured SDPA ahead past one wave on the 7B heads, not
-    these 64-wide ones)."""
+    these 64-wide ones). A packed model also gets the tiled tensor-core NVFP4 kernel at M = 256 (``tc256``: one
+    launch per projection instead of dequantize + cuBLAS; measured slower on the 7B shapes at M = 256, session 23,
+    not on these small weights), with either attention."""
+    from qerl_cli import kernel
+
+    arms = [("", None, None), (" attn-kernel", True, None)]
+    if engine == "ours-nvfp4":
+        arms += [(" tc256", None, 256), (" attn-kernel tc256", True, 256)]
+    before = kernel.tc_max_m()
     for _ in range(2):
-        for name, attn in (("", None), (" attn-kernel", True)):
-            rows.append({"model": "SmolLM2-135M", "engine": engine + name, "batch": 256,
-                         **time_engine(model, 256, 128, 256, 49152, decode_attn=attn)})
+        for name, attn, tc in arms:
+            kernel.set_tc_max_m(before if tc is None else tc)
+            try:
+                r = time_engine(model, 256, 128, 256, 49152, decode_attn=attn)
+            finally:
+                kernel.set_tc_max_m(before)
+            rows.append({"model": "SmolLM2-135M", "engine": engine + name, "batch": 256, **r})
             save()
 
 

@@ -798,7 +798,8 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # shapes' rows at batch 64 and 256 (ours NVFP4 / bf16, HF generate) and the decode step at batch 256 profiled
   # in bf16 and NVFP4 (where the 2.5-2.9 ms per step go, against HF's 14.7: the 10x target), with session 32's
   # arm at batch 256: decode attention in our kernel past one wave against the default (SDPA there), interleaved,
-  # and the NVFP4 step profiled with it, for at most T76 (default 400) seconds
+  # with the tiled tensor-core NVFP4 kernel at M = 256 as a further arm, and the NVFP4 step profiled with our
+  # attention kernel, for at most T76 (default 400) seconds
   sm90_start
   build; stamp 76 "build done"
   COLUMNS=200 timeout $(( ${T76:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
