@@ -802,6 +802,9 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # attention kernel, for at most T76 (default 400) seconds
   sm90_start
   build; stamp 76 "build done"
+  COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_decode_attn_gpu.py \
+    -k engine_decode_attn_same_policy > "$OUT/gpu_tests_attn_engine.log" 2>&1; tail -n 6 "$OUT/gpu_tests_attn_engine.log"
+  stamp 76 "engine attention GPU test done"
   COLUMNS=200 timeout $(( ${T76:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
     --skip-7b --json "$OUT/rollout_smollm2_profile.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_profile.log" \
     | grep -v '^{' | grep -v '━\|──'
