@@ -544,3 +544,16 @@ def test_seed_changes_the_samples_not_the_questions(pipeline, tmp_path):
     assert len(seeds) == 8  # (no two streams of a run, nor of neighbouring run seeds, coincide)
     ta, tb = (load_file(str(x.file(names.ROLLOUT_TENSORS))) for x in (a, b))
     assert not torch.equal(ta["behaviour_logprobs"], tb["behaviour_logprobs"])
+
+
+def test_a_leading_dot_decimal_is_not_its_digits():
+    """(review-c) ".5" was read as 5 (the number pattern needed a digit before the point): "The answer is .5"
+    scored correct against a gold 5 and wrong against 0.5, and "#### .5" was no marked answer at all."""
+    assert tasks.parse_number(tasks.extract_answer("The answer is .5")) == tasks.parse_number("0.5")
+    assert tasks.score("The answer is .5", "5", truncated=False).status == tasks.WRONG
+    assert tasks.score("The answer is .5", "0.5", truncated=False).status == tasks.CORRECT
+    assert tasks.score("It costs $.75 each.", "0.75", truncated=False).status == tasks.CORRECT
+    assert tasks.score("so x = -.25", "-1/4", truncated=False).status == tasks.CORRECT
+    o = tasks.score("#### .5\n", "0.5", truncated=True, format_reward=0.1)  # a complete marked answer
+    assert (o.status, o.reward) == (tasks.CORRECT, pytest.approx(1.1))
+    assert tasks.extract_answer("total 1.5") == "1.5" and tasks.extract_answer("step 3. then 4") == "4"

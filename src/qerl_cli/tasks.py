@@ -15,8 +15,8 @@ from .errors import QerlError
 CORRECT, WRONG, UNPARSABLE, TRUNCATED = "correct", "wrong", "unparsable", "truncated"
 
 # a minus is a sign only where it does not follow a word character or a closing bracket ("9-2" ends in 2, not -2)
-# and it touches its number ("12 - 5" ends in 5, not -5)
-_NUM = r"(?:(?<![\w.)\]])-(?=\$?\d))?\$?\s?\d[\d,]*(?:\.\d+)?"
+# and it touches its number ("12 - 5" ends in 5, not -5); a decimal may start at its point (".5" is 0.5, not 5)
+_NUM = r"(?:(?<![\w.)\]])-(?=\$?\.?\d))?\$?\s?(?:\d[\d,]*(?:\.\d+)?|(?<!\d)\.\d+)"
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _HASHES = re.compile(r"####\s*(" + _NUM + r"(?:\s*/\s*\d+)?)")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*(" + _NUM + r"(?:\s*/\s*\d+)?)", re.IGNORECASE)
@@ -153,9 +153,9 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
 
 # The reward function's identity (bump when the rules of ``score`` / ``extract_answer`` change): rollouts key
 # their cache on it with the gold answers, as the rewards depend on both.
-REWARD_FUNCTION = "qerl.tasks.score/4"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5; 3: an empty \boxed{} is
+REWARD_FUNCTION = "qerl.tasks.score/5"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5; 3: an empty \boxed{} is
 # no answer (nor a format bonus), and a cut-off completion whose #### answer runs to the cut is truncated;
-# 4: a spaced minus is not a sign ("12 - 5" ends in 5)
+# 4: a spaced minus is not a sign ("12 - 5" ends in 5); 5: a leading-point decimal (".5") is 0.5, not 5
 
 
 def verifier() -> dict:
