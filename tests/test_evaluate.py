@@ -451,3 +451,26 @@ def test_paired_interval_never_collapses():
     b = [1.0, 1.0, 0.0, 1.0] * 100
     lo, hi = stats.paired_bootstrap(a, b)["ci95"]
     assert abs((hi - lo) - 2 * 1.96 * (statistics.pstdev([y - x for x, y in zip(a, b)]) / 20)) < 0.02
+
+
+def test_eval_key_holds_the_problems_selected_not_the_options_as_typed(packed, tmp_path, monkeypatch):
+    """(review-c) --num-examples 4 and 0 (= all) on a 4-problem set, or another --split (config) for a local file
+    or the generated task (which read no split), evaluate the same problems (the data input's digest holds them):
+    one eval, a cache hit that loads no model, never "a different artifact" (rollout does so since session 30)."""
+    from qerl_cli import packed_model
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                         for i in range(3)))
+    other_split = tmp_path / "split.toml"
+    other_split.write_text('split = "train"\n')
+    kw = dict(max_new_tokens=2, progress=False)
+    a = evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "a", num_examples=4, **kw)
+    b = evaluate.evaluate(packed / "packed", str(f), tmp_path / "b", **kw)
+    monkeypatch.setattr(packed_model, "load_packed_model", lambda *a, **k: pytest.fail("an equal eval recomputed"))
+    assert evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "a", num_examples=0, **kw).digest == a.digest
+    assert evaluate.evaluate(packed / "packed", "arith:4", tmp_path / "a", config_file=other_split, **kw
+                             ).digest == a.digest
+    assert evaluate.evaluate(packed / "packed", str(f), tmp_path / "b", num_examples=3, config_file=other_split,
+                             **kw).digest == b.digest
+    assert a.config["num_examples"] == 4 and b.config["num_examples"] == 3  # the count selected, recorded

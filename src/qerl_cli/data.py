@@ -20,10 +20,16 @@ class Records:
     origin: dict  # {"type": "file"|"hf", "spec": ..., "sha256"/"revision": ..., "split": ...}
 
 
+def is_local(spec: str) -> bool:
+    """Whether ``spec`` names a local file (which has no splits) rather than a HF dataset."""
+    p = Path(spec)
+    return p.suffix.lower() in LOCAL_SUFFIXES or p.exists()
+
+
 def load_records(spec: str, split: str = "train") -> Records:
     """Load rows from ``spec``: a local file, or ``hf:NAME[:CONFIG]`` / a bare HF dataset name."""
     p = Path(spec)
-    if p.suffix.lower() in LOCAL_SUFFIXES or p.exists():
+    if is_local(spec):
         return _load_local(p)
     name = spec[3:] if spec.startswith("hf:") else spec
     if "/" not in name and not spec.startswith("hf:"):

@@ -113,9 +113,15 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
 
     scoring = tasks.verifier()  # the answer checker that ran (results differ between checkers)
     # (seeds: how each batch's seeds follow from seed, which session 28 changed: part of the key)
+    # num_examples as the count selected and split as the split read (none for a local file): the data input
+    # holds the problems, so -n 4 and -n 0 (= all) on a 4-problem set are one eval
+    from . import data
+
+    selected = {"num_examples": len(problems),
+                "split": split if generated or not data.is_local(data_spec) else None}
     run_config = config.without_unused_sampling(
-        config.as_dict(cfg) | {"verifier": scoring, "seeds": BATCH_SEEDS_DEFINITION} | config.result_env(),
-        cfg.temperature, cfg.sigma)
+        config.as_dict(cfg) | selected | {"verifier": scoring, "seeds": BATCH_SEEDS_DEFINITION}
+        | config.result_env(), cfg.temperature, cfg.sigma)
     hit = artifact.cached(names.KIND_EVAL, output, run_config, inputs, force)
     if hit is None:  # (a cache hit loads no model)
         model = load_model()
