@@ -557,3 +557,17 @@ def test_a_leading_dot_decimal_is_not_its_digits():
     o = tasks.score("#### .5\n", "0.5", truncated=True, format_reward=0.1)  # a complete marked answer
     assert (o.status, o.reward) == (tasks.CORRECT, pytest.approx(1.1))
     assert tasks.extract_answer("total 1.5") == "1.5" and tasks.extract_answer("step 3. then 4") == "4"
+
+
+def test_prompt_seed_keys_only_generated_prompts(pipeline, tmp_path, monkeypatch):
+    """(review-c) --prompt-seed draws generated prompts (arith:N) only: on a prompts file it changes nothing, so
+    a rerun with another one is a cache hit that loads no model, never "a different artifact"."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                         for i in range(2)))
+    kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
+    a = rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", prompt_seed=0, **kw)
+    g = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "g", prompt_seed=3, **kw)
+    monkeypatch.setattr(packed_model, "load_packed_model", lambda *a, **k: pytest.fail("an equal rollout recomputed"))
+    assert rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", prompt_seed=5, **kw).digest == a.digest
+    assert g.config["prompt_seed"] == 3  # (generated prompts: recorded)

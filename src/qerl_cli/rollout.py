@@ -274,10 +274,10 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         inputs.append(artifact.Input("adapter", str(adapter), lora_digest))
     # the answer checker that scored (results differ between checkers): recorded, and part of the key
     # num_prompts as the count it selected (the prompts input holds their texts): --num-prompts 4 and 0 (= all)
-    # on a 4-prompt set are one rollout
+    # on a 4-prompt set are one rollout; prompt_seed only where it drew the prompts (arith:N), not for a file
+    selected = {"num_prompts": len(texts), "prompt_seed": cfg.prompt_seed if tasks.is_generated(prompts) else None}
     run_config = config.without_unused_sampling(
-        config.as_dict(cfg) | {"verifier": scoring, "num_prompts": len(texts)} | config.result_env(),
-        cfg.temperature, cfg.sigma)
+        config.as_dict(cfg) | {"verifier": scoring} | selected | config.result_env(), cfg.temperature, cfg.sigma)
     hit = artifact.cached(names.KIND_ROLLOUT, output, run_config, inputs, force)
     if hit is not None:  # (before the model loads: minutes for a large one)
         _print(json.loads(hit.file(names.ROLLOUT_META).read_text())["summary"], hit.path)
