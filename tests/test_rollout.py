@@ -571,3 +571,12 @@ def test_prompt_seed_keys_only_generated_prompts(pipeline, tmp_path, monkeypatch
     monkeypatch.setattr(packed_model, "load_packed_model", lambda *a, **k: pytest.fail("an equal rollout recomputed"))
     assert rollout.rollout(pipeline / "packed", str(f), tmp_path / "ro", prompt_seed=5, **kw).digest == a.digest
     assert g.config["prompt_seed"] == 3  # (generated prompts: recorded)
+
+
+@pytest.mark.parametrize("text", ["The answer is: 12, which took 3 steps.", "The answer is **12**, after 3 steps.",
+                                  "Final answer: **12** (3 steps)", "The answer is 12 after 3 steps"])
+def test_a_stated_answer_is_read_with_a_colon_or_in_bold(text):
+    """(review-c) "The answer is: 12" and "The answer is **12**" were not read as stated answers: the last number
+    of the text (3) was taken instead, so a correct reply scored wrong."""
+    assert tasks.parse_number(tasks.extract_answer(text)) == 12
+    assert tasks.score(text, "12", truncated=False).status == tasks.CORRECT

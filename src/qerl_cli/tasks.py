@@ -19,7 +19,7 @@ CORRECT, WRONG, UNPARSABLE, TRUNCATED = "correct", "wrong", "unparsable", "trunc
 _NUM = r"(?:(?<![\w.)\]])-(?=\$?\.?\d))?\$?\s?(?:\d[\d,]*(?:\.\d+)?|(?<!\d)\.\d+)"
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _HASHES = re.compile(r"####\s*(" + _NUM + r"(?:\s*/\s*\d+)?)")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*(" + _NUM + r"(?:\s*/\s*\d+)?)", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)\s*(?:\*\*\s*)?(" + _NUM + r"(?:\s*/\s*\d+)?)", re.IGNORECASE)
 _ANY_NUM = re.compile(_NUM + r"(?:\s*/\s*\d+)?")
 _FRAC = re.compile(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
 
@@ -153,9 +153,10 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
 
 # The reward function's identity (bump when the rules of ``score`` / ``extract_answer`` change): rollouts key
 # their cache on it with the gold answers, as the rewards depend on both.
-REWARD_FUNCTION = "qerl.tasks.score/5"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5; 3: an empty \boxed{} is
+REWARD_FUNCTION = "qerl.tasks.score/6"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5; 3: an empty \boxed{} is
 # no answer (nor a format bonus), and a cut-off completion whose #### answer runs to the cut is truncated;
 # 4: a spaced minus is not a sign ("12 - 5" ends in 5); 5: a leading-point decimal (".5") is 0.5, not 5
+# 6: "answer is: x" and "answer is **x**" are stated answers
 
 
 def verifier() -> dict:
