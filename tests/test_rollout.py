@@ -580,3 +580,10 @@ def test_a_stated_answer_is_read_with_a_colon_or_in_bold(text):
     of the text (3) was taken instead, so a correct reply scored wrong."""
     assert tasks.parse_number(tasks.extract_answer(text)) == 12
     assert tasks.score(text, "12", truncated=False).status == tasks.CORRECT
+
+
+@pytest.mark.parametrize("spec", ["arith:²", "arith:٣"])
+def test_a_generated_task_count_of_non_ascii_digits_is_one_sentence(spec):
+    """(review-c) str.isdigit accepts digits int() refuses ('²'): a ValueError traceback instead of the sentence."""
+    with pytest.raises(QerlError, match="whole number of problems"):
+        tasks.load_problems(spec)

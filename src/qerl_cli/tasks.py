@@ -236,7 +236,7 @@ def is_generated(spec: str) -> bool:
     if not spec.startswith("arith:"):
         return False
     count = spec[len("arith:"):]
-    if not count.isdigit():
+    if not (count.isascii() and count.isdigit()):  # (isdigit alone takes '²', which int() refuses)
         raise QerlError(f"{spec}: the generated task is 'arith' or 'arith:N' with N a whole number of problems.")
     return True
 
