@@ -474,3 +474,23 @@ def test_eval_key_holds_the_problems_selected_not_the_options_as_typed(packed, t
     assert evaluate.evaluate(packed / "packed", str(f), tmp_path / "b", num_examples=3, config_file=other_split,
                              **kw).digest == b.digest
     assert a.config["num_examples"] == 4 and b.config["num_examples"] == 3  # the count selected, recorded
+
+
+def test_a_prompt_past_the_positions_is_refused_before_the_first_batch(packed, tmp_path, monkeypatch):
+    """A prompt that leaves no room for the new tokens, in a later batch: one sentence before any batch is
+    generated (it came after the earlier batches' work), and no output written."""
+    from qerl_cli.engine import Engine
+
+    f = tmp_path / "p.jsonl"
+    rows = [{"question": "What is 1 + 1?", "answer": "#### 2"},
+            {"question": "What is " + " + ".join(["1"] * 400) + "?", "answer": "#### 400"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "one.toml"
+    cfg.write_text("batch_prompts = 1\n")
+    calls = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    with pytest.raises(QerlError, match="max_position_embeddings"):
+        evaluate.evaluate(packed / "packed", str(f), tmp_path / "e", max_new_tokens=4, config_file=cfg,
+                          progress=False)
+    assert calls == [] and not (tmp_path / "e").exists()

@@ -16,8 +16,8 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from . import artifact, config, names, stats, tasks, ui
-from .engine import Engine, SamplingConfig, derive_seed
+from . import artifact, config, data, names, stats, tasks, ui
+from .engine import Engine, SamplingConfig, check_positions, derive_seed
 from .errors import QerlError
 from .modelio import fix_tokenizer
 from .rollout import BATCH_SEEDS_DEFINITION, base_model, eos_ids, resolve_policy
@@ -115,8 +115,6 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
     # (seeds: how each batch's seeds follow from seed, which session 28 changed: part of the key)
     # num_examples as the count selected and split as the split read (none for a local file): the data input
     # holds the problems, so -n 4 and -n 0 (= all) on a 4-problem set are one eval
-    from . import data
-
     selected = {"num_examples": len(problems),
                 "split": split if generated or not data.is_local(data_spec) else None}
     run_config = config.without_unused_sampling(
@@ -127,6 +125,10 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         model = load_model()
         if lora is not None:
             fit_lora(lora, model, adapter)
+        # every prompt, tokenized once: the longest against the model's positions before the first batch (the
+        # engine checks each batch, so a long prompt in a late batch failed after the earlier batches' work)
+        prompt_ids = [tasks.chat_prompt(tok, p.question) for p in problems]
+        check_positions(model.config, max(map(len, prompt_ids)), cfg.max_new_tokens)
 
     def body(tmp: Path) -> dict:
         eng = Engine(model, device, cuda_graph=cfg.cuda_graph)
@@ -138,7 +140,7 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
         for bi, s in enumerate(ui.track(starts, "evaluating", enabled=cfg.progress)):
             chunk = problems[s: s + cfg.batch_prompts]
             eng.set_noise(cfg.sigma, derive_seed(cfg.seed, "noise", bi))
-            b = eng.generate([tasks.chat_prompt(tok, p.question) for p in chunk], cfg.samples, sampling,
+            b = eng.generate(prompt_ids[s: s + cfg.batch_prompts], cfg.samples, sampling,
                              derive_seed(cfg.seed, "sample", bi), eos, tok.pad_token_id)
             gen_tokens += b.timings["generated_tokens"]
             wall += (b.timings["prefill_s"] or 0.0) + b.timings["decode_s"]  # (None: inside decode_s)
