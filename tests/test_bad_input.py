@@ -233,3 +233,19 @@ def test_a_quant_linear_whose_k_is_not_a_multiple_of_16_is_one_sentence(tiny_pip
     with pytest.raises(QerlError, match="40 inputs per row, not a positive multiple of 16"):
         pack(q, tmp_path / "packed", progress=False)
     assert not (tmp_path / "packed").exists()
+
+
+def test_a_model_directory_whose_config_drops_layers_of_its_checkpoint_is_refused(tiny_pipeline, tmp_path):
+    """A config.json describing fewer layers than its checkpoint holds: transformers ignored the extra weights (its
+    warning silenced by qerl) and quantize went on with a truncated model. Weights the model does not use mean the
+    config does not describe the checkpoint: one sentence, like missing ones."""
+    import json
+
+    m = tmp_path / "model"
+    shutil.copytree(tiny_pipeline["model"], m)
+    conf = json.loads((m / names.MODEL_CONFIG).read_text())
+    conf["num_hidden_layers"] = 1
+    (m / names.MODEL_CONFIG).write_text(json.dumps(conf))
+    with pytest.raises(QerlError, match="holds the weight model.layers.1.* which the model's config.json does not"):
+        modelio.load(modelio.resolve(str(m)))
+

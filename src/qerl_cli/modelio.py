@@ -144,6 +144,11 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implement
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise QerlError(f"model {source.spec} lacks the weight {missing[0]}{more}, which would be random; give a "
                         "complete HF model directory.")
+    unexpected = sorted(loading.get("unexpected_keys") or [])
+    if unexpected:  # transformers drops them: the config does not describe the checkpoint (e.g. fewer layers)
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise QerlError(f"model {source.spec} holds the weight {unexpected[0]}{more}, which the model's "
+                        f"{names.MODEL_CONFIG} does not describe; give a config that matches the checkpoint.")
     if source.gguf_file:  # the weights are dense now: drop the GGUF quantizer marker so configs save cleanly
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
