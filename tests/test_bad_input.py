@@ -249,3 +249,15 @@ def test_a_model_directory_whose_config_drops_layers_of_its_checkpoint_is_refuse
     with pytest.raises(QerlError, match="holds the weight model.layers.1.* which the model's config.json does not"):
         modelio.load(modelio.resolve(str(m)))
 
+
+def test_an_already_quantized_source_model_is_one_sentence(tiny_pipeline, tmp_path):
+    """A compressed-tensors NVFP4 checkpoint (what llm-compressor or `qerl quantize` writes) given as the source
+    model: with compressed-tensors installed transformers loaded it and modelio.load crashed with
+    NotImplementedError ('isfinite' not implemented for 'Float8_e4m3fn')."""
+    m = tmp_path / "ct"
+    shutil.copytree(tiny_pipeline["quant"], m)
+    for f in (names.MANIFEST, names.QUANT_REPORT):
+        (m / f).unlink()
+    out = tmp_path / "q2"
+    _clean_error(run_cli("quantize", str(m), "--no-progress", "-o", str(out)), "is already quantized")
+    assert not out.exists()

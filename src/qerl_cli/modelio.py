@@ -76,6 +76,14 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
                         "it with the stage that wrote it.")
     if not any(p.glob("*.safetensors")):
         raise QerlError(f"model directory {s} holds no .safetensors weights (pickled weights are not loaded).")
+    try:
+        qc = json.loads((p / names.MODEL_CONFIG).read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise QerlError(f"cannot read {p / names.MODEL_CONFIG}: {e}.") from None
+    if qc:  # its linears are not dense weights: quantize would re-quantize codes, evaluate would crash
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise QerlError(f"model {s} is already quantized (quant_method '{method}'); give the unquantized model "
+                        "it was made from.")
     return ModelSource(s, p, None)
 
 
