@@ -261,3 +261,19 @@ def test_an_already_quantized_source_model_is_one_sentence(tiny_pipeline, tmp_pa
     out = tmp_path / "q2"
     _clean_error(run_cli("quantize", str(m), "--no-progress", "-o", str(out)), "is already quantized")
     assert not out.exists()
+
+
+def test_a_gguf_symlink_as_in_the_hf_hub_cache_is_found(tmp_path):
+    """The HF hub cache holds snapshots/<rev>/model.gguf as a symlink to ../../blobs/<hash>: resolve() took the
+    link's target directory with the link's name, a file that does not exist (FileNotFoundError traceback in
+    the model digest, and transformers was pointed at blobs/model.gguf)."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snapshots" / "rev").mkdir(parents=True)
+    (tmp_path / "blobs" / "0123abcd").write_bytes(b"GGUF" + bytes(60))
+    link = tmp_path / "snapshots" / "rev" / "model.gguf"
+    link.symlink_to(Path("..") / ".." / "blobs" / "0123abcd")
+    s = modelio.resolve(str(link))
+    assert (s.directory / s.gguf_file).is_file()
+    plain = tmp_path / "model.gguf"
+    plain.write_bytes(b"GGUF" + bytes(60))
+    assert s.digest() == modelio.resolve(str(plain)).digest()

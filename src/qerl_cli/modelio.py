@@ -66,7 +66,7 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise QerlError(f"model file {s} is not a .gguf file; give a .gguf file or a HF model directory.")
-        return ModelSource(s, p.resolve().parent, p.name)
+        return ModelSource(s, p.absolute().parent, p.name)  # (not resolve(): a hub-cache symlink names a blob)
     if not (p / names.MODEL_CONFIG).is_file():
         raise QerlError(f"model directory {s} has no {names.MODEL_CONFIG}; it is not a HF model directory.")
     if (p / names.MANIFEST).is_file():
