@@ -277,3 +277,19 @@ def test_a_gguf_symlink_as_in_the_hf_hub_cache_is_found(tmp_path):
     plain = tmp_path / "model.gguf"
     plain.write_bytes(b"GGUF" + bytes(60))
     assert s.digest() == modelio.resolve(str(plain)).digest()
+
+
+def test_a_model_directory_whose_config_mismatches_a_weight_shape_names_the_weight(tiny_pipeline, tmp_path):
+    """A config.json whose intermediate_size disagrees with the checkpoint: the error was transformers' 'For details
+    look at the above report!', a report qerl silences, so the user never learnt which weight or shapes."""
+    import json
+
+    m = tmp_path / "model"
+    shutil.copytree(tiny_pipeline["model"], m)
+    conf = json.loads((m / names.MODEL_CONFIG).read_text())
+    conf["intermediate_size"] = 96
+    (m / names.MODEL_CONFIG).write_text(json.dumps(conf))
+    with pytest.raises(QerlError, match=r"model\.layers\.0\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\) in the "
+                                        r"checkpoint but \(\d+, \d+\) in its config\.json") as e:
+        modelio.load(modelio.resolve(str(m)))
+    assert "above report" not in str(e.value)

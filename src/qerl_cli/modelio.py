@@ -142,11 +142,19 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implement
     mkw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     tokenizer = load_tokenizer(source)
     try:
+        # (mismatched shapes are reported below by name: transformers' own error points at a report it does not print)
         model, loading = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype,
-                                                              output_loading_info=True, **kw, **mkw)
+                                                              output_loading_info=True, ignore_mismatched_sizes=True,
+                                                              **kw, **mkw)
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad model dir
         first = (str(e).splitlines() or [type(e).__name__])[0].rstrip(": ")
         raise QerlError(f"could not load model {source.spec}: {first or type(e).__name__}.") from None
+    mismatched = sorted(loading.get("mismatched_keys") or [], key=lambda m: m[0])
+    if mismatched:  # (with ignore_mismatched_sizes, transformers initialised them at random)
+        key, ckpt, want = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise QerlError(f"model {source.spec}: its weight {key} has shape {tuple(ckpt)} in the checkpoint but "
+                        f"{tuple(want)} in its {names.MODEL_CONFIG}{more}; give a config that matches the checkpoint.")
     missing = sorted(loading.get("missing_keys") or [])
     if missing:  # transformers would fill them with random numbers
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
