@@ -293,3 +293,21 @@ def test_a_model_directory_whose_config_mismatches_a_weight_shape_names_the_weig
                                         r"checkpoint but \(\d+, \d+\) in its config\.json") as e:
         modelio.load(modelio.resolve(str(m)))
     assert "above report" not in str(e.value)
+
+
+def test_an_artifact_of_a_model_type_this_transformers_lacks_is_one_sentence(tiny_pipeline, tmp_path):
+    """Artifacts travel between machines with different transformers versions (DESIGN §6): a model_type the
+    local transformers does not know raised AutoConfig's ValueError as a traceback from load_packed_model."""
+    import json
+
+    from qerl_cli import artifact
+    from qerl_cli.packed_model import load_packed_model
+
+    p = tmp_path / "packed"
+    shutil.copytree(tiny_pipeline["packed"], p)
+    conf = json.loads((p / names.MODEL_CONFIG).read_text())
+    conf["model_type"] = "qerl_future_arch"
+    (p / names.MODEL_CONFIG).write_text(json.dumps(conf))
+    _rehash(p)
+    with pytest.raises(QerlError, match="'qerl_future_arch'.*transformers"):
+        load_packed_model(artifact.open_artifact(p, names.KIND_PACKED))
