@@ -233,3 +233,81 @@ def test_a_quant_linear_whose_k_is_not_a_multiple_of_16_is_one_sentence(tiny_pip
     with pytest.raises(QerlError, match="40 inputs per row, not a positive multiple of 16"):
         pack(q, tmp_path / "packed", progress=False)
     assert not (tmp_path / "packed").exists()
+
+
+def test_a_model_directory_whose_config_drops_layers_of_its_checkpoint_is_refused(tiny_pipeline, tmp_path):
+    """A config.json describing fewer layers than its checkpoint holds: transformers ignored the extra weights (its
+    warning silenced by qerl) and quantize went on with a truncated model. Weights the model does not use mean the
+    config does not describe the checkpoint: one sentence, like missing ones."""
+    import json
+
+    m = tmp_path / "model"
+    shutil.copytree(tiny_pipeline["model"], m)
+    conf = json.loads((m / names.MODEL_CONFIG).read_text())
+    conf["num_hidden_layers"] = 1
+    (m / names.MODEL_CONFIG).write_text(json.dumps(conf))
+    with pytest.raises(QerlError, match="holds the weight model.layers.1.* which the model's config.json does not"):
+        modelio.load(modelio.resolve(str(m)))
+
+
+def test_an_already_quantized_source_model_is_one_sentence(tiny_pipeline, tmp_path):
+    """A compressed-tensors NVFP4 checkpoint (what llm-compressor or `qerl quantize` writes) given as the source
+    model: with compressed-tensors installed transformers loaded it and modelio.load crashed with
+    NotImplementedError ('isfinite' not implemented for 'Float8_e4m3fn')."""
+    m = tmp_path / "ct"
+    shutil.copytree(tiny_pipeline["quant"], m)
+    for f in (names.MANIFEST, names.QUANT_REPORT):
+        (m / f).unlink()
+    out = tmp_path / "q2"
+    _clean_error(run_cli("quantize", str(m), "--no-progress", "-o", str(out)), "is already quantized")
+    assert not out.exists()
+
+
+def test_a_gguf_symlink_as_in_the_hf_hub_cache_is_found(tmp_path):
+    """The HF hub cache holds snapshots/<rev>/model.gguf as a symlink to ../../blobs/<hash>: resolve() took the
+    link's target directory with the link's name, a file that does not exist (FileNotFoundError traceback in
+    the model digest, and transformers was pointed at blobs/model.gguf)."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snapshots" / "rev").mkdir(parents=True)
+    (tmp_path / "blobs" / "0123abcd").write_bytes(b"GGUF" + bytes(60))
+    link = tmp_path / "snapshots" / "rev" / "model.gguf"
+    link.symlink_to(Path("..") / ".." / "blobs" / "0123abcd")
+    s = modelio.resolve(str(link))
+    assert (s.directory / s.gguf_file).is_file()
+    plain = tmp_path / "model.gguf"
+    plain.write_bytes(b"GGUF" + bytes(60))
+    assert s.digest() == modelio.resolve(str(plain)).digest()
+
+
+def test_a_model_directory_whose_config_mismatches_a_weight_shape_names_the_weight(tiny_pipeline, tmp_path):
+    """A config.json whose intermediate_size disagrees with the checkpoint: the error was transformers' 'For details
+    look at the above report!', a report qerl silences, so the user never learnt which weight or shapes."""
+    import json
+
+    m = tmp_path / "model"
+    shutil.copytree(tiny_pipeline["model"], m)
+    conf = json.loads((m / names.MODEL_CONFIG).read_text())
+    conf["intermediate_size"] = 96
+    (m / names.MODEL_CONFIG).write_text(json.dumps(conf))
+    with pytest.raises(QerlError, match=r"model\.layers\.0\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\) in the "
+                                        r"checkpoint but \(\d+, \d+\) in its config\.json") as e:
+        modelio.load(modelio.resolve(str(m)))
+    assert "above report" not in str(e.value)
+
+
+def test_an_artifact_of_a_model_type_this_transformers_lacks_is_one_sentence(tiny_pipeline, tmp_path):
+    """Artifacts travel between machines with different transformers versions (DESIGN §6): a model_type the
+    local transformers does not know raised AutoConfig's ValueError as a traceback from load_packed_model."""
+    import json
+
+    from qerl_cli import artifact
+    from qerl_cli.packed_model import load_packed_model
+
+    p = tmp_path / "packed"
+    shutil.copytree(tiny_pipeline["packed"], p)
+    conf = json.loads((p / names.MODEL_CONFIG).read_text())
+    conf["model_type"] = "qerl_future_arch"
+    (p / names.MODEL_CONFIG).write_text(json.dumps(conf))
+    _rehash(p)
+    with pytest.raises(QerlError, match="'qerl_future_arch'.*transformers"):
+        load_packed_model(artifact.open_artifact(p, names.KIND_PACKED))

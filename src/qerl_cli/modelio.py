@@ -66,7 +66,7 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise QerlError(f"model file {s} is not a .gguf file; give a .gguf file or a HF model directory.")
-        return ModelSource(s, p.resolve().parent, p.name)
+        return ModelSource(s, p.absolute().parent, p.name)  # (not resolve(): a hub-cache symlink names a blob)
     if not (p / names.MODEL_CONFIG).is_file():
         raise QerlError(f"model directory {s} has no {names.MODEL_CONFIG}; it is not a HF model directory.")
     if (p / names.MANIFEST).is_file():
@@ -76,6 +76,14 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
                         "it with the stage that wrote it.")
     if not any(p.glob("*.safetensors")):
         raise QerlError(f"model directory {s} holds no .safetensors weights (pickled weights are not loaded).")
+    try:
+        qc = json.loads((p / names.MODEL_CONFIG).read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise QerlError(f"cannot read {p / names.MODEL_CONFIG}: {e}.") from None
+    if qc:  # its linears are not dense weights: quantize would re-quantize codes, evaluate would crash
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise QerlError(f"model {s} is already quantized (quant_method '{method}'); give the unquantized model "
+                        "it was made from.")
     return ModelSource(s, p, None)
 
 
@@ -134,16 +142,29 @@ def load(source: ModelSource, dtype: torch.dtype = torch.float32, attn_implement
     mkw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     tokenizer = load_tokenizer(source)
     try:
+        # (mismatched shapes are reported below by name: transformers' own error points at a report it does not print)
         model, loading = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype,
-                                                              output_loading_info=True, **kw, **mkw)
+                                                              output_loading_info=True, ignore_mismatched_sizes=True,
+                                                              **kw, **mkw)
     except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad model dir
         first = (str(e).splitlines() or [type(e).__name__])[0].rstrip(": ")
         raise QerlError(f"could not load model {source.spec}: {first or type(e).__name__}.") from None
+    mismatched = sorted(loading.get("mismatched_keys") or [], key=lambda m: m[0])
+    if mismatched:  # (with ignore_mismatched_sizes, transformers initialised them at random)
+        key, ckpt, want = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise QerlError(f"model {source.spec}: its weight {key} has shape {tuple(ckpt)} in the checkpoint but "
+                        f"{tuple(want)} in its {names.MODEL_CONFIG}{more}; give a config that matches the checkpoint.")
     missing = sorted(loading.get("missing_keys") or [])
     if missing:  # transformers would fill them with random numbers
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise QerlError(f"model {source.spec} lacks the weight {missing[0]}{more}, which would be random; give a "
                         "complete HF model directory.")
+    unexpected = sorted(loading.get("unexpected_keys") or [])
+    if unexpected:  # transformers drops them: the config does not describe the checkpoint (e.g. fewer layers)
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise QerlError(f"model {source.spec} holds the weight {unexpected[0]}{more}, which the model's "
+                        f"{names.MODEL_CONFIG} does not describe; give a config that matches the checkpoint.")
     if source.gguf_file:  # the weights are dense now: drop the GGUF quantizer marker so configs save cleanly
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

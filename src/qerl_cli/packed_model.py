@@ -80,8 +80,15 @@ def _skeleton(art_dir: Path, dtype: torch.dtype):
     model_type = conf_dict.pop("model_type", None)
     if model_type is None:
         raise QerlError(f"{art_dir / names.MODEL_CONFIG} has no model_type.")
-    conf = AutoConfig.for_model(model_type, **conf_dict)
-    model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+    try:
+        conf = AutoConfig.for_model(model_type, **conf_dict)
+        model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+    except (ValueError, KeyError, TypeError) as e:  # e.g. a model type newer than this machine's transformers
+        import transformers
+
+        first = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0][:200].rstrip(" .:")
+        raise QerlError(f"{art_dir} holds a '{model_type}' model, which transformers {transformers.__version__} here "
+                        f"cannot build ({first}); use a transformers that supports it.") from None
     return model.eval()
 
 
