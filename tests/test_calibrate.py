@@ -490,3 +490,25 @@ def _calibrate_fails_in_one_sentence(md, tmp_path, says: str) -> None:
     assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
     assert says in " ".join(r.stderr.split())
     assert not out.exists() and not list(tmp_path.glob(".calib.tmp-*"))
+
+
+def _calibrate_small(md, out, config_file=None):
+    return calibrate.calibrate(str(md), str(GSM8K_TRAIN), out, samples=2, seq_len=16, field="question,answer",
+                               config_file=config_file, progress=False, device="cpu")
+
+
+def _no_search(monkeypatch):
+    monkeypatch.setattr(calibrate, "search_layer",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("searched again")))
+
+
+def test_split_of_a_local_data_file_is_not_part_of_the_calib_key(tiny_model_dir, tmp_path, monkeypatch):
+    """A local file has no splits (load_records ignores --split for it, and the data digest is the file's): a
+    calib made with another split is the same artifact, served from the cache, not 'a different artifact'."""
+    out = tmp_path / "calib"
+    _calibrate_small(tiny_model_dir, out)
+    cfg = tmp_path / "split.toml"
+    cfg.write_text('split = "test"\n')
+    _no_search(monkeypatch)
+    assert _calibrate_small(tiny_model_dir, out, cfg).kind == names.KIND_CALIB
+

@@ -407,8 +407,10 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     # the search's version is part of the key: a calib from an earlier search (non-causal layers under eager
     # attention, coupled errors in the producer's units, a producer group searched and reported in its folded
     # units) is recomputed, not served from the cache
-    art = artifact.run_stage(names.KIND_CALIB, output, config.as_dict(cfg) | {"search": SEARCH_VERSION}, inputs,
-                             body, force=force)
+    run_config = config.as_dict(cfg) | {"search": SEARCH_VERSION}
+    if records.origin.get("type") == "file":  # a local file has no splits (load_records ignores it): not in the key
+        run_config["split"] = None
+    art = artifact.run_stage(names.KIND_CALIB, output, run_config, inputs, body, force=force)
     print_summary(json.loads(art.file(names.CALIB_REPORT).read_text()))
     return art
 
