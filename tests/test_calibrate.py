@@ -512,3 +512,19 @@ def test_split_of_a_local_data_file_is_not_part_of_the_calib_key(tiny_model_dir,
     _no_search(monkeypatch)
     assert _calibrate_small(tiny_model_dir, out, cfg).kind == names.KIND_CALIB
 
+
+def test_clip_ratios_without_clip_search_are_not_part_of_the_calib_key(tiny_model_dir, tmp_path, monkeypatch):
+    """With clip_search = false the clip ratios are never read: other ratios give the same calib (cached)."""
+    out = tmp_path / "calib"
+    a = tmp_path / "a.toml"
+    a.write_text("clip_search = false\n")
+    _calibrate_small(tiny_model_dir, out, a)
+    b = tmp_path / "b.toml"
+    b.write_text("clip_search = false\nclip_ratios = [1.0, 0.5]\n")
+    _no_search(monkeypatch)
+    assert _calibrate_small(tiny_model_dir, out, b).kind == names.KIND_CALIB
+    # with the clip search on, the ratios matter again: not served from that cache
+    c = tmp_path / "c.toml"
+    c.write_text("clip_ratios = [1.0, 0.5]\n")
+    with pytest.raises(QerlError, match="different"):
+        _calibrate_small(tiny_model_dir, out, c)

@@ -410,6 +410,8 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     run_config = config.as_dict(cfg) | {"search": SEARCH_VERSION}
     if records.origin.get("type") == "file":  # a local file has no splits (load_records ignores it): not in the key
         run_config["split"] = None
+    if not cfg.clip_search:  # the clip ratios are never read without the clip search
+        run_config["clip_ratios"] = None
     art = artifact.run_stage(names.KIND_CALIB, output, run_config, inputs, body, force=force)
     print_summary(json.loads(art.file(names.CALIB_REPORT).read_text()))
     return art
