@@ -528,3 +528,16 @@ def test_clip_ratios_without_clip_search_are_not_part_of_the_calib_key(tiny_mode
     c.write_text("clip_ratios = [1.0, 0.5]\n")
     with pytest.raises(QerlError, match="different"):
         _calibrate_small(tiny_model_dir, out, c)
+
+
+def test_calib_samples_record_chat_rows_read_through_the_default_field(tiny_model_dir, tmp_path):
+    """Rows with 'messages' and no 'text' go through the chat template under the default field 'text'
+    (data.row_text): calib_samples.json must say chat_shaped, not only when the field is named 'messages'."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(40)]
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    art = calibrate.calibrate(str(tiny_model_dir), str(f), tmp_path / "calib", samples=2, seq_len=16,
+                              progress=False, device="cpu")
+    samples = json.loads(art.file(names.CALIB_SAMPLES).read_text())
+    assert samples["field"] == "text" and samples["chat_shaped"] is True

@@ -146,6 +146,7 @@ def build_samples(records: data.Records, tokenizer, cfg: CalibrateConfig) -> tup
     need = cfg.samples * cfg.seq_len
     ids: list[int] = []
     used, lengths = [], []
+    chat = False
     eos = tokenizer.eos_token_id
     for i in ui.track(order, "tokenizing calibration rows", enabled=cfg.progress):
         text = data.row_text(records.rows[i], fields, tokenizer)
@@ -155,13 +156,18 @@ def build_samples(records: data.Records, tokenizer, cfg: CalibrateConfig) -> tup
         ids.extend(toks + ([eos] if eos is not None else []))
         used.append(i)
         lengths.append(len(toks))
+        # (data.row_text's rule: chat rows under field 'messages', or under the default 'text' when a row has
+        # 'messages' and no 'text')
+        row = records.rows[i]
+        chat |= fields == ["messages"] or (isinstance(row.get("messages"), list) and fields == ["text"]
+                                           and "text" not in row)
         if len(ids) >= need:
             break
     if len(ids) < need:
         raise QerlError(f"the calibration data hold {len(ids)} tokens, fewer than {cfg.samples} sequences of "
                         f"{cfg.seq_len} tokens need ({need}); lower --samples or --seq-len.")
     tokens = torch.tensor(ids[:need]).reshape(cfg.samples, cfg.seq_len)
-    return tokens, {"row_indices": used, "row_token_lengths": lengths, "tokens": need}
+    return tokens, {"row_indices": used, "row_token_lengths": lengths, "tokens": need, "chat_shaped": chat}
 
 
 class _Capture:
@@ -396,7 +402,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
         (tmp / names.CALIB_REPORT).write_text(json.dumps({"groups": report, "clip_ratios": clip}, indent=1) + "\n")
         (tmp / names.CALIB_SAMPLES).write_text(json.dumps(
             {"data": records.origin, "field": cfg.field, "seed": cfg.seed, "samples": cfg.samples,
-             "seq_len": cfg.seq_len, "chat_shaped": cfg.field == "messages", **sample_info}, indent=1) + "\n")
+             "seq_len": cfg.seq_len, **sample_info}, indent=1) + "\n")
         modelio.write_lineage(tmp, modelio.config_dict(net), tokenizer, net.generation_config)
         by_type: dict[str, list[tuple[float, float]]] = {}
         for r in report:
