@@ -541,3 +541,17 @@ def test_calib_samples_record_chat_rows_read_through_the_default_field(tiny_mode
                               progress=False, device="cpu")
     samples = json.loads(art.file(names.CALIB_SAMPLES).read_text())
     assert samples["field"] == "text" and samples["chat_shaped"] is True
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "cuda:3", "cuda:-1"])
+def test_calibrate_device_that_is_not_one_of_this_machines_gpus_is_one_clear_error(device, tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """On a machine with one GPU, '--device cuda:3' (no such ordinal) or a malformed 'cuda:abc' was a
+    RuntimeError traceback from torch inside the stage; one sentence before any work instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(calibrate.modelio, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    with pytest.raises(QerlError, match="--device"):
+        calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), tmp_path / "c", samples=2, seq_len=16,
+                            field="question,answer", device=device, progress=False)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.tmp-*"))

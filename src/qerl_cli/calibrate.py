@@ -356,6 +356,11 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     if device != "cpu" and not (device.split(":")[0] == "cuda" and torch.cuda.is_available()):
         raise QerlError(f"calibrate --device must be 'cpu' or 'cuda' on a machine with CUDA; got '{device}'"
                         f"{'' if torch.cuda.is_available() else ' and no CUDA device is available'}.")
+    if device != "cpu":  # 'cuda:N': N one of this machine's GPUs (else a torch traceback inside the stage)
+        index = device.partition(":")[2]
+        if ":" in device and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            raise QerlError(f"calibrate --device '{device}' is not one of this machine's "
+                            f"{torch.cuda.device_count()} CUDA device(s) (cuda, cuda:0, ...).")
     cfg = config.load("calibrate", CalibrateConfig, config_file,
                       {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress,
                        "device": device})
