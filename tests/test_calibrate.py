@@ -490,3 +490,68 @@ def _calibrate_fails_in_one_sentence(md, tmp_path, says: str) -> None:
     assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
     assert says in " ".join(r.stderr.split())
     assert not out.exists() and not list(tmp_path.glob(".calib.tmp-*"))
+
+
+def _calibrate_small(md, out, config_file=None):
+    return calibrate.calibrate(str(md), str(GSM8K_TRAIN), out, samples=2, seq_len=16, field="question,answer",
+                               config_file=config_file, progress=False, device="cpu")
+
+
+def _no_search(monkeypatch):
+    monkeypatch.setattr(calibrate, "search_layer",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("searched again")))
+
+
+def test_split_of_a_local_data_file_is_not_part_of_the_calib_key(tiny_model_dir, tmp_path, monkeypatch):
+    """A local file has no splits (load_records ignores --split for it, and the data digest is the file's): a
+    calib made with another split is the same artifact, served from the cache, not 'a different artifact'."""
+    out = tmp_path / "calib"
+    _calibrate_small(tiny_model_dir, out)
+    cfg = tmp_path / "split.toml"
+    cfg.write_text('split = "test"\n')
+    _no_search(monkeypatch)
+    assert _calibrate_small(tiny_model_dir, out, cfg).kind == names.KIND_CALIB
+
+
+def test_clip_ratios_without_clip_search_are_not_part_of_the_calib_key(tiny_model_dir, tmp_path, monkeypatch):
+    """With clip_search = false the clip ratios are never read: other ratios give the same calib (cached)."""
+    out = tmp_path / "calib"
+    a = tmp_path / "a.toml"
+    a.write_text("clip_search = false\n")
+    _calibrate_small(tiny_model_dir, out, a)
+    b = tmp_path / "b.toml"
+    b.write_text("clip_search = false\nclip_ratios = [1.0, 0.5]\n")
+    _no_search(monkeypatch)
+    assert _calibrate_small(tiny_model_dir, out, b).kind == names.KIND_CALIB
+    # with the clip search on, the ratios matter again: not served from that cache
+    c = tmp_path / "c.toml"
+    c.write_text("clip_ratios = [1.0, 0.5]\n")
+    with pytest.raises(QerlError, match="different"):
+        _calibrate_small(tiny_model_dir, out, c)
+
+
+def test_calib_samples_record_chat_rows_read_through_the_default_field(tiny_model_dir, tmp_path):
+    """Rows with 'messages' and no 'text' go through the chat template under the default field 'text'
+    (data.row_text): calib_samples.json must say chat_shaped, not only when the field is named 'messages'."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(40)]
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    art = calibrate.calibrate(str(tiny_model_dir), str(f), tmp_path / "calib", samples=2, seq_len=16,
+                              progress=False, device="cpu")
+    samples = json.loads(art.file(names.CALIB_SAMPLES).read_text())
+    assert samples["field"] == "text" and samples["chat_shaped"] is True
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "cuda:3", "cuda:-1"])
+def test_calibrate_device_that_is_not_one_of_this_machines_gpus_is_one_clear_error(device, tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """On a machine with one GPU, '--device cuda:3' (no such ordinal) or a malformed 'cuda:abc' was a
+    RuntimeError traceback from torch inside the stage; one sentence before any work instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(calibrate.modelio, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    with pytest.raises(QerlError, match="--device"):
+        calibrate.calibrate(str(tiny_model_dir), str(GSM8K_TRAIN), tmp_path / "c", samples=2, seq_len=16,
+                            field="question,answer", device=device, progress=False)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.tmp-*"))

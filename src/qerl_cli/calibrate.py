@@ -146,6 +146,7 @@ def build_samples(records: data.Records, tokenizer, cfg: CalibrateConfig) -> tup
     need = cfg.samples * cfg.seq_len
     ids: list[int] = []
     used, lengths = [], []
+    chat = False
     eos = tokenizer.eos_token_id
     for i in ui.track(order, "tokenizing calibration rows", enabled=cfg.progress):
         text = data.row_text(records.rows[i], fields, tokenizer)
@@ -155,13 +156,18 @@ def build_samples(records: data.Records, tokenizer, cfg: CalibrateConfig) -> tup
         ids.extend(toks + ([eos] if eos is not None else []))
         used.append(i)
         lengths.append(len(toks))
+        # (data.row_text's rule: chat rows under field 'messages', or under the default 'text' when a row has
+        # 'messages' and no 'text')
+        row = records.rows[i]
+        chat |= fields == ["messages"] or (isinstance(row.get("messages"), list) and fields == ["text"]
+                                           and "text" not in row)
         if len(ids) >= need:
             break
     if len(ids) < need:
         raise QerlError(f"the calibration data hold {len(ids)} tokens, fewer than {cfg.samples} sequences of "
                         f"{cfg.seq_len} tokens need ({need}); lower --samples or --seq-len.")
     tokens = torch.tensor(ids[:need]).reshape(cfg.samples, cfg.seq_len)
-    return tokens, {"row_indices": used, "row_token_lengths": lengths, "tokens": need}
+    return tokens, {"row_indices": used, "row_token_lengths": lengths, "tokens": need, "chat_shaped": chat}
 
 
 class _Capture:
@@ -350,6 +356,11 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     if device != "cpu" and not (device.split(":")[0] == "cuda" and torch.cuda.is_available()):
         raise QerlError(f"calibrate --device must be 'cpu' or 'cuda' on a machine with CUDA; got '{device}'"
                         f"{'' if torch.cuda.is_available() else ' and no CUDA device is available'}.")
+    if device != "cpu":  # 'cuda:N': N one of this machine's GPUs (else a torch traceback inside the stage)
+        index = device.partition(":")[2]
+        if ":" in device and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            raise QerlError(f"calibrate --device '{device}' is not one of this machine's "
+                            f"{torch.cuda.device_count()} CUDA device(s) (cuda, cuda:0, ...).")
     cfg = config.load("calibrate", CalibrateConfig, config_file,
                       {"samples": samples, "seq_len": seq_len, "field": field, "seed": seed, "progress": progress,
                        "device": device})
@@ -396,7 +407,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
         (tmp / names.CALIB_REPORT).write_text(json.dumps({"groups": report, "clip_ratios": clip}, indent=1) + "\n")
         (tmp / names.CALIB_SAMPLES).write_text(json.dumps(
             {"data": records.origin, "field": cfg.field, "seed": cfg.seed, "samples": cfg.samples,
-             "seq_len": cfg.seq_len, "chat_shaped": cfg.field == "messages", **sample_info}, indent=1) + "\n")
+             "seq_len": cfg.seq_len, **sample_info}, indent=1) + "\n")
         modelio.write_lineage(tmp, modelio.config_dict(net), tokenizer, net.generation_config)
         by_type: dict[str, list[tuple[float, float]]] = {}
         for r in report:
@@ -407,8 +418,12 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     # the search's version is part of the key: a calib from an earlier search (non-causal layers under eager
     # attention, coupled errors in the producer's units, a producer group searched and reported in its folded
     # units) is recomputed, not served from the cache
-    art = artifact.run_stage(names.KIND_CALIB, output, config.as_dict(cfg) | {"search": SEARCH_VERSION}, inputs,
-                             body, force=force)
+    run_config = config.as_dict(cfg) | {"search": SEARCH_VERSION}
+    if records.origin.get("type") == "file":  # a local file has no splits (load_records ignores it): not in the key
+        run_config["split"] = None
+    if not cfg.clip_search:  # the clip ratios are never read without the clip search
+        run_config["clip_ratios"] = None
+    art = artifact.run_stage(names.KIND_CALIB, output, run_config, inputs, body, force=force)
     print_summary(json.loads(art.file(names.CALIB_REPORT).read_text()))
     return art
 
