@@ -106,13 +106,19 @@ def fix_tokenizer(tokenizer) -> None:
 
 
 def fix_special_tokens(model, tokenizer) -> None:
-    """:func:`fix_tokenizer`, and the model's config and generation config made to agree with it."""
+    """:func:`fix_tokenizer`, and the model's config and generation config made to agree with it: the tokenizer's
+    eos first among the generation config's stop ids, whose others are kept (Qwen2.5's ``<|endoftext|>`` beside
+    ``<|im_end|>``: a rollout stops on either)."""
     fix_tokenizer(tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        if cfg is not None:
-            cfg.eos_token_id = eos
-            cfg.pad_token_id = pad
+    model.config.eos_token_id = eos
+    model.config.pad_token_id = pad
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        old = gen.eos_token_id if isinstance(gen.eos_token_id, (list, tuple)) else [gen.eos_token_id]
+        others = list(dict.fromkeys(i for i in old if i is not None and i != eos))
+        gen.eos_token_id = [eos, *others] if others and eos is not None else eos
+        gen.pad_token_id = pad
     if not getattr(model.config, "architectures", None):
         model.config.architectures = [type(model).__name__]
 
