@@ -587,3 +587,56 @@ def test_a_generated_task_count_of_non_ascii_digits_is_one_sentence(spec):
     """(review-c) str.isdigit accepts digits int() refuses ('²'): a ValueError traceback instead of the sentence."""
     with pytest.raises(QerlError, match="whole number of problems"):
         tasks.load_problems(spec)
+
+
+def test_a_generation_configs_other_stop_ids_are_kept():
+    """fix_special_tokens puts the tokenizer's eos (``<|im_end|>``) first among the generation config's stop ids
+    and keeps the others (Qwen2.5 lists ``[<|im_end|>, <|endoftext|>]``; a base model's ``<|endoftext|>`` was lost,
+    and a rollout ran on past it); the model config holds the one eos."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from qerl_cli.modelio import fix_special_tokens
+    from qerl_cli.rollout import eos_ids
+
+    class Tok:  # a tokenizer whose vocabulary has the chat end token (id 7) and whose eos is another (id 5)
+        eos_token, pad_token = "<|endoftext|>", None
+        ids = {"<|endoftext|>": 5, "<|im_end|>": 7}
+
+        def get_vocab(self):
+            return dict(self.ids)
+
+        @property
+        def eos_token_id(self):
+            return self.ids[self.eos_token]
+
+        @property
+        def pad_token_id(self):
+            return self.ids.get(self.pad_token)
+
+    conf = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, eos_token_id=5)
+    for gen_eos, want in ((5, [7, 5]), ([7, 5, 9], [7, 5, 9]), (7, 7), (None, 7)):
+        model = LlamaForCausalLM(conf)
+        model.generation_config = GenerationConfig(eos_token_id=gen_eos)
+        tok = Tok()
+        fix_special_tokens(model, tok)
+        assert model.generation_config.eos_token_id == want and model.config.eos_token_id == 7
+        assert model.generation_config.pad_token_id == 7
+        assert eos_ids(model, tok) == set(want if isinstance(want, list) else [want])
+
+
+def test_a_packed_models_stop_ids_come_from_its_generation_config(tmp_path):
+    """A model built from an artifact's config.json takes its generation config's stop ids from the artifact's
+    generation_config.json (from_config alone knew config.json's one eos); a broken one is one sentence."""
+    from transformers import LlamaConfig
+
+    from qerl_cli.packed_model import _skeleton
+
+    LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, eos_token_id=7).save_pretrained(str(tmp_path))
+    assert _skeleton(tmp_path, torch.float32).generation_config.eos_token_id == 7
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5], "pad_token_id": 7}))
+    assert _skeleton(tmp_path, torch.float32).generation_config.eos_token_id == [7, 5]
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(QerlError, match="generation_config.json cannot be read"):
+        _skeleton(tmp_path, torch.float32)

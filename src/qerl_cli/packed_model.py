@@ -89,6 +89,14 @@ def _skeleton(art_dir: Path, dtype: torch.dtype):
         first = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0][:200].rstrip(" .:")
         raise QerlError(f"{art_dir} holds a '{model_type}' model, which transformers {transformers.__version__} here "
                         f"cannot build ({first}); use a transformers that supports it.") from None
+    if (art_dir / names.GENERATION_CONFIG).is_file():  # (its stop ids: from_config knows config.json's eos only)
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(art_dir))
+        except (OSError, ValueError, TypeError) as e:
+            raise QerlError(f"{art_dir / names.GENERATION_CONFIG} cannot be read ({str(e).splitlines()[0][:200]}); "
+                            "recreate the artifact with --force.") from None
     return model.eval()
 
 
