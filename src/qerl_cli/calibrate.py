@@ -156,11 +156,7 @@ def build_samples(records: data.Records, tokenizer, cfg: CalibrateConfig) -> tup
         ids.extend(toks + ([eos] if eos is not None else []))
         used.append(i)
         lengths.append(len(toks))
-        # (data.row_text's rule: chat rows under field 'messages', or under the default 'text' when a row has
-        # 'messages' and no 'text')
-        row = records.rows[i]
-        chat |= fields == ["messages"] or (isinstance(row.get("messages"), list) and fields == ["text"]
-                                           and "text" not in row)
+        chat |= data.is_chat_row(records.rows[i], fields)
         if len(ids) >= need:
             break
     if len(ids) < need:

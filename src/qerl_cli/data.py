@@ -92,10 +92,17 @@ def _load_local(p: Path) -> Records:
     return Records(rows, {"type": "file", "spec": str(p), "sha256": sha256_file(p)})
 
 
+def is_chat_row(row: dict, fields: list[str]) -> bool:
+    """Whether ``row_text`` reads ``row`` through the chat template: the field 'messages', or the default 'text'
+    on a row with a 'messages' list and no 'text'."""
+    return fields == ["messages"] or (isinstance(row.get("messages"), list) and fields == ["text"]
+                                      and "text" not in row)
+
+
 def row_text(row: dict, fields: list[str], tokenizer=None) -> str:
     """Text of one row: chat-shaped rows (``messages``) through the chat template, else the fields joined."""
     msgs = row.get("messages")
-    if fields == ["messages"] or (isinstance(msgs, list) and fields == ["text"] and "text" not in row):
+    if is_chat_row(row, fields):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise QerlError("chat-shaped data needs a model with a chat template.")
         if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
