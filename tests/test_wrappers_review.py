@@ -33,3 +33,16 @@ def test_load_adapter_weights_refuses_an_adapter_missing_some_of_the_models_fact
     same = lora.wrap(_tiny_packed(), 4, 8.0, targets=("q_proj",), seed=3)
     lora.load_adapter_weights(same, tmp_path / "q-only")
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(lora.trainable(small), lora.trainable(same)))
+
+
+def test_vllm_backend_without_vllm_is_one_clear_error():
+    """Without vLLM installed, both the check and the engine say so in one QerlError (no ImportError trace)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM installed")
+    from qerl_cli import vllm_backend
+
+    for call in (vllm_backend.require, lambda: vllm_backend.VLLMEngine("/nonexistent")):
+        with pytest.raises(QerlError, match="needs vLLM"):
+            call()
