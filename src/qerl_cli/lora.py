@@ -198,3 +198,7 @@ def load_adapter_weights(pm, path: str | Path, exact: dict[str, torch.Tensor] | 
     bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
     if bad:
         raise QerlError(f"{path} holds adapter tensors this model does not have, e.g. {bad[0]}.")
+    # the other way round too: a factor of the model that the file lacks would keep its fresh initialisation
+    missing = [k for k in getattr(res, "missing_keys", []) if "lora_" in k]
+    if missing:
+        raise QerlError(f"{path} does not hold all of this model's adapter tensors, e.g. not {missing[0]}.")
