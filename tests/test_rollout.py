@@ -640,3 +640,16 @@ def test_a_packed_models_stop_ids_come_from_its_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(QerlError, match="generation_config.json cannot be read"):
         _skeleton(tmp_path, torch.float32)
+
+
+def test_vllm_backend_without_vllm_is_one_clear_error():
+    """Without vLLM installed, both the check and the engine say so in one QerlError (no ImportError trace)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM installed")
+    from qerl_cli import vllm_backend
+
+    for call in (vllm_backend.require, lambda: vllm_backend.VLLMEngine("/nonexistent")):
+        with pytest.raises(QerlError, match="needs vLLM"):
+            call()

@@ -194,6 +194,12 @@ def load_adapter_weights(pm, path: str | Path, exact: dict[str, torch.Tensor] | 
     f = Path(path) / ADAPTER_WEIGHTS
     sd = exact if exact else refold(load_file(str(f)), model_folding(pm.get_base_model()) if marked_source(f) else {},
                                     to_model=True)
+    own = dict(pm.named_parameters())
+    for k, t in sd.items():  # (torch's own error is a multi-line load_state_dict report)
+        mine = own.get(k) if k in own else own.get(k.replace(".weight", ".default.weight"))
+        if mine is not None and tuple(mine.shape) != tuple(t.shape):
+            raise QerlError(f"{path} holds adapter factors of another rank or model: {k} has shape {tuple(t.shape)}, "
+                            f"this model's {tuple(mine.shape)}.")
     res = set_peft_model_state_dict(pm, sd)
     bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
     if bad:

@@ -1,4 +1,4 @@
-"""Review checks of the thin wrappers (lora save/load, kernel fallback), on tiny models built from a config."""
+"""LoRA save / load on a packed model (tiny models built from a config)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,12 @@ def test_load_adapter_weights_refuses_an_adapter_missing_some_of_the_models_fact
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(lora.trainable(small), lora.trainable(same)))
 
 
-def test_vllm_backend_without_vllm_is_one_clear_error():
-    """Without vLLM installed, both the check and the engine say so in one QerlError (no ImportError trace)."""
-    import importlib.util
 
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM installed")
-    from qerl_cli import vllm_backend
-
-    for call in (vllm_backend.require, lambda: vllm_backend.VLLMEngine("/nonexistent")):
-        with pytest.raises(QerlError, match="needs vLLM"):
-            call()
+def test_load_adapter_weights_of_another_rank_is_one_sentence(tmp_path):
+    """Factors of another rank: one QerlError naming the tensor and both shapes (was torch's multi-line
+    RuntimeError from load_state_dict)."""
+    lora.save_adapter(lora.wrap(_tiny_packed(), 4, 8.0, targets=("q_proj",), seed=1), tmp_path / "r4")
+    r8 = lora.wrap(_tiny_packed(), 8, 8.0, targets=("q_proj",), seed=2)
+    with pytest.raises(QerlError, match=r"rank .*lora_A.* has shape \(4, 64\).*\(8, 64\)") as e:
+        lora.load_adapter_weights(r8, tmp_path / "r4")
+    assert "\n" not in str(e.value)
