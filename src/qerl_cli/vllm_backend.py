@@ -74,6 +74,8 @@ class VLLMEngine:
             mask[i, :n] = True
             lp[i, :n] = torch.tensor([d[tok].logprob for d, tok in zip(c.logprobs, c.token_ids)])
         reasons = ["eos" if c.finish_reason == "stop" else "length" for c in seqs]
+        # (vLLM gives one kind of log-prob per engine: the processed ones stand for the tempered ones too, which
+        # differ from them, untruncated, only under top-p / top-k; greedy's are vLLM's, not our engine's zeros)
         return RolloutBatch([list(p) for p in prompts], group, ids, mask, lp, lp, reasons,
                             {"prefill_s": None, "decode_s": dt, "generated_tokens": int(mask.sum()),
                              "tokens_per_s": int(mask.sum()) / dt})
