@@ -167,3 +167,26 @@ def test_verify_failure_exits_1(pipeline_copy, tmp_path, monkeypatch):
 def test_output_that_cannot_be_created_is_one_sentence(pipeline_copy):
     res = run_cli("pack", str(pipeline_copy["quant"]), "-o", "/proc/qerl-cannot-be-here", "--no-progress")
     _assert_clean_error(res)
+
+
+@pytest.mark.parametrize("flags,want", [([], False), (["--progress"], True), (["--no-progress"], False)])
+def test_config_file_progress_is_not_overridden_by_the_flag_default(tmp_path, monkeypatch, flags, want):
+    """`progress = false` in a --config file (stages/*.toml documents it) took no effect: the CLI always passed
+    progress=True. Only an explicit --progress/--no-progress overrides the file."""
+    from qerl_cli import cli, config
+
+    real, seen = config.load, {}
+
+    def load(stage, cls, config_file=None, overrides=None):
+        seen["progress"] = real(stage, cls, config_file, overrides).progress
+        raise cli.QerlError("stopped after the config.")
+
+    monkeypatch.setattr(config, "load", load)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # (pytest's own handlers stay)
+    cfg = tmp_path / "pack.toml"
+    cfg.write_text("progress = false\n")
+    monkeypatch.setattr(sys, "argv", ["qerl", "pack", str(tmp_path / "quant"), "-o", str(tmp_path / "p"),
+                                      "--config", str(cfg), *flags])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 1 and seen == {"progress": want}

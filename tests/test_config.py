@@ -161,3 +161,15 @@ def test_invalid_quantize_values(tmp_path):
         config.load("quantize", QuantizeConfig, _write(tmp_path, "targets = []\nfused_groups = []\n"))
     with pytest.raises(QerlError, match="fused group"):
         config.load("quantize", QuantizeConfig, _write(tmp_path, 'targets = ["q_proj"]\n'))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_float_is_a_clear_error(tmp_path, value):
+    """A float parameter that is NaN or infinite is refused by name in every stage (rollout took
+    `format_reward = nan` silently, and every reward of its artifact became NaN)."""
+    from qerl_cli.rollout import RolloutConfig
+
+    with pytest.raises(QerlError, match="format_reward.*finite"):
+        config.load("rollout", RolloutConfig, _write(tmp_path, f"format_reward = {value}\n"))
+    with pytest.raises(QerlError, match="format_reward.*finite"):
+        config.load("rollout", RolloutConfig, None, {"format_reward": float(value)})  # (a flag's value)

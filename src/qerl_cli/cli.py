@@ -46,7 +46,9 @@ app = typer.Typer(
 Output = Annotated[Path, typer.Option("--output", "-o", help="Artifact directory to write.")]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", help="TOML file overriding the stage defaults (see stages/).")]
 Force = Annotated[bool, typer.Option("--force", help="Recompute even if the output is cached; replace what is there.")]
-Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bars on a terminal.")]
+# (None unless given: then the --config file's `progress`, else the shipped default, decides)
+Progress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", show_default=False,
+                                                  help="Progress bars on a terminal (default: the config's `progress`, true).")]
 
 
 def _version(value: bool) -> None:
@@ -73,7 +75,7 @@ def calibrate_cmd(
     device: Annotated[Optional[str], typer.Option("--device", help="'cuda' or 'cpu' (default: cuda where available); one layer at a time on it.")] = None,
     config: ConfigFile = None,
     force: Force = False,
-    progress: Progress = True,
+    progress: Progress = None,
 ) -> None:
     """Search activation-aware (AWQ) scales and clip ratios under the NVFP4 quantizer (a `calib` artifact).
 
@@ -99,7 +101,7 @@ def quantize_cmd(
     calib: Annotated[Optional[Path], typer.Option("--calib", help="calib artifact (AWQ scales) to fold in first.")] = None,
     config: ConfigFile = None,
     force: Force = False,
-    progress: Progress = True,
+    progress: Progress = None,
 ) -> None:
     """NVFP4-quantize MODEL into a compressed-tensors checkpoint (a `quant` artifact).
 
@@ -123,7 +125,7 @@ def pack_cmd(
     output: Output,
     config: ConfigFile = None,
     force: Force = False,
-    progress: Progress = True,
+    progress: Progress = None,
 ) -> None:
     """Re-lay a quant checkpoint's codes and scales into the packed layout our CUDA kernel reads.
 
@@ -143,7 +145,7 @@ def verify_cmd(
     against: Annotated[Optional[Path], typer.Option("--against", help="quant artifact to check the round trip against (default: the pack's own input).")] = None,
     config: ConfigFile = None,
     force: Force = False,
-    progress: Progress = True,
+    progress: Progress = None,
 ) -> None:
     """Check the packed model against dequantized references; exit 1 if any check fails.
 
@@ -187,7 +189,7 @@ def rollout_cmd(
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Sample from an unverified pack (recorded).")] = False,
     config: ConfigFile = None,
     force: Force = False,
-    progress: Progress = True,
+    progress: Progress = None,
 ) -> None:
     """Sample G completions per prompt with AQN, recording tokens, masks and behaviour log-probs (a `rollout` artifact).
 
@@ -232,7 +234,7 @@ def train_cmd(
     gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute layers in the backward pass (less memory).")] = None,
     config: ConfigFile = None,
     force: Force = False,
-    progress: Progress = True,
+    progress: Progress = None,
 ) -> None:
     """GRPO/DAPO with LoRA on the frozen NVFP4 backbone under the AQN noise schedule (a `run` artifact).
 
@@ -278,7 +280,7 @@ def evaluate_cmd(
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Evaluate an unverified pack (recorded).")] = False,
     config: ConfigFile = None,
     force: Force = False,
-    progress: Progress = True,
+    progress: Progress = None,
 ) -> None:
     """Accuracy of a declared deployment policy, per example, with a 95% Wilson interval (an `eval` artifact);
     with -k > 1 (mean@k) the Wilson interval is taken at the effective sample size p(1-p)n/s^2 of the

@@ -7,6 +7,7 @@ validates the merged values in ``__post_init__`` and collects every problem into
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from importlib import resources
@@ -100,9 +101,17 @@ def load(stage: str, cls: type[C], config_file: str | Path | None = None, overri
         if f.name in values:
             values[f.name] = _coerce(stage, f.name, values[f.name], f.type)
     try:
-        return cls(**values)
+        cfg = cls(**values)
     except (TypeError, ValueError) as e:
         raise QerlError(f"invalid {stage} config: {e}; change that option or --config value.") from None
+    # a NaN passes every `<` check a stage forgot, and no parameter means anything by an infinity: after the
+    # stage's own checks (their sentences say more), any left are refused by name
+    bad = [k for k, v in values.items()
+           if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,)))]
+    if bad:
+        raise QerlError(f"invalid {stage} config: {', '.join(bad)} must be finite (not nan or inf); "
+                        f"change that option or --config value.")
+    return cfg
 
 
 _SCALARS = {"float": float, "int": int, "bool": bool, "str": str}
