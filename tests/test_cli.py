@@ -190,3 +190,31 @@ def test_config_file_progress_is_not_overridden_by_the_flag_default(tmp_path, mo
     with pytest.raises(SystemExit) as e:
         cli.main()
     assert e.value.code == 1 and seen == {"progress": want}
+
+
+@pytest.mark.parametrize("error,where", [("gpu", "GPU"), ("cpu", "host"), ("memory", "host"), ("other", None)])
+def test_out_of_memory_is_one_sentence(pipeline_copy, tmp_path, monkeypatch, capsys, error, where):
+    """Out of memory inside a stage (torch's CUDA error, its CPU allocator's message, Python's MemoryError): one
+    sentence and exit 1, the output not written; any other RuntimeError is not taken for one."""
+    import torch
+
+    from qerl_cli import cli, pack
+
+    def fail(*a, **k):
+        raise {"gpu": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+               "cpu": RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
+               "memory": MemoryError(), "other": RuntimeError("shapes disagree")}[error]
+
+    monkeypatch.setattr(pack, "pack_tensors", fail)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    out = tmp_path / "p"
+    monkeypatch.setattr(sys, "argv", ["qerl", "pack", str(pipeline_copy["quant"]), "-o", str(out), "--no-progress"])
+    if where is None:
+        with pytest.raises(RuntimeError, match="shapes disagree"):
+            cli.main()
+        return
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    assert e.value.code == 1 and f"error: out of {where} memory;" in text and not out.exists()

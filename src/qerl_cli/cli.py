@@ -329,6 +329,10 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+OUT_OF_MEMORY = ("out of {where} memory; outputs that were complete before are unchanged: lower the batch, group, "
+                 "sequence or token settings (--config), or use a machine with more memory.")
+
+
 def _on_signal(signum, frame):
     raise Interrupted(signum)
 
@@ -354,6 +358,15 @@ def main() -> None:
     except OSError as e:  # a path that cannot be created or written (permissions, a file where a folder must be)
         where = f" ({e.filename})" if e.filename else ""
         ui.console.print(f"[bold red]error:[/] {escape((e.strerror or str(e)) + where)}.", soft_wrap=True)
+        sys.exit(1)
+    except MemoryError:
+        ui.console.print(f"[bold red]error:[/] {OUT_OF_MEMORY.format(where='host')}", soft_wrap=True)
+        sys.exit(1)
+    except RuntimeError as e:  # torch's out-of-memory errors (its own type on CUDA, a message on CPU)
+        if not (type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)):
+            raise
+        where = "GPU" if type(e).__name__ == "OutOfMemoryError" else "host"
+        ui.console.print(f"[bold red]error:[/] {OUT_OF_MEMORY.format(where=where)}", soft_wrap=True)
         sys.exit(1)
     except (Interrupted, KeyboardInterrupt) as e:
         ui.console.print("[bold red]interrupted:[/] outputs that were complete before are unchanged; an interrupted "
