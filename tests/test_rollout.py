@@ -653,3 +653,15 @@ def test_vllm_backend_without_vllm_is_one_clear_error():
     for call in (vllm_backend.require, lambda: vllm_backend.VLLMEngine("/nonexistent")):
         with pytest.raises(QerlError, match="needs vLLM"):
             call()
+
+
+def test_a_cut_off_completion_whose_last_boxed_is_unclosed_is_truncated():
+    """(review) A completion cut off while writing a new \\boxed{ answer after a closed one is truncated (reward 0),
+    as one whose #### answer runs to the cut: the closed one was an earlier answer, not the final one. Finished, or
+    with the last \\boxed{} closed, it is scored as before."""
+    cut = "First \\boxed{1}, no wait, it is \\boxed{12"
+    assert tasks.score(cut, "12", truncated=True).status == tasks.TRUNCATED
+    assert tasks.score("So \\boxed{1}, then \\boxed{12} and more wor", "12", truncated=True).status == tasks.CORRECT
+    assert tasks.score("So \\boxed{12} and more wor", "12", truncated=True).status == tasks.CORRECT
+    assert tasks.score("\\boxed{\\frac{1}{2}} the end", "1/2", truncated=True).status == tasks.CORRECT
+    assert tasks.score(cut, "1", truncated=False).status == tasks.CORRECT  # (not cut: its closed answer stands)

@@ -141,6 +141,8 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
     marked = boxed or bool(hashes)
     if truncated and not boxed and hashes and _NUMBER_GOES_ON.fullmatch(completion[hashes[-1].end():]):
         marked = False  # the last #### answer runs to the cut
+    if truncated and completion.rfind("\\boxed{") > max((m.start() for m in _BOXED.finditer(completion)), default=-1):
+        marked = False  # a \boxed{ after the last closed one never closed: the final answer was cut mid-way
     pred = extract_answer(completion)
     if truncated and not marked:
         return Outcome(0.0, TRUNCATED, pred)
@@ -153,10 +155,11 @@ def score(completion: str, gold: str, truncated: bool, format_reward: float = 0.
 
 # The reward function's identity (bump when the rules of ``score`` / ``extract_answer`` change): rollouts key
 # their cache on it with the gold answers, as the rewards depend on both.
-REWARD_FUNCTION = "qerl.tasks.score/6"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5; 3: an empty \boxed{} is
+REWARD_FUNCTION = "qerl.tasks.score/7"  # 2: "9-2" ends in 2 (not -2); \boxed{x=5} is 5; 3: an empty \boxed{} is
 # no answer (nor a format bonus), and a cut-off completion whose #### answer runs to the cut is truncated;
 # 4: a spaced minus is not a sign ("12 - 5" ends in 5); 5: a leading-point decimal (".5") is 0.5, not 5
-# 6: "answer is: x" and "answer is **x**" are stated answers
+# 6: "answer is: x" and "answer is **x**" are stated answers; 7: a cut-off completion whose last \boxed{ is
+# unclosed is truncated (an earlier closed \boxed{} was scored)
 
 
 def verifier() -> dict:
