@@ -173,3 +173,17 @@ def test_non_finite_float_is_a_clear_error(tmp_path, value):
         config.load("rollout", RolloutConfig, _write(tmp_path, f"format_reward = {value}\n"))
     with pytest.raises(QerlError, match="format_reward.*finite"):
         config.load("rollout", RolloutConfig, None, {"format_reward": float(value)})  # (a flag's value)
+
+
+@pytest.mark.parametrize("value", [2**40, 2**63])
+def test_a_huge_integer_setting_is_a_clear_error(tmp_path, value):
+    """An integer setting of 2**40 or more in size (a count, a size, a seed) is refused by name in every stage,
+    not an overflow or out-of-memory traceback inside it (review, session 32)."""
+    from qerl_cli.rollout import RolloutConfig
+    from qerl_cli.train import TrainConfig
+
+    with pytest.raises(QerlError, match=r"group must be below 2\*\*40"):
+        config.load("rollout", RolloutConfig, _write(tmp_path, f"group = {value}\n"))
+    with pytest.raises(QerlError, match=r"lora_rank must be below 2\*\*40"):
+        config.load("train", TrainConfig, None, {"lora_rank": value})
+    assert config.load("rollout", RolloutConfig, None, {"group": 2**40 - 1}).group == 2**40 - 1

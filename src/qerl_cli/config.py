@@ -111,6 +111,13 @@ def load(stage: str, cls: type[C], config_file: str | Path | None = None, overri
     if bad:
         raise QerlError(f"invalid {stage} config: {', '.join(bad)} must be finite (not nan or inf); "
                         f"change that option or --config value.")
+    # no count, size or seed of any stage means anything at 2**40 (a 2**63 one ended in an overflow traceback)
+    huge = [k for k, v in values.items()
+            if any(isinstance(x, int) and not isinstance(x, bool) and abs(x) >= SEED_LIMIT
+                   for x in (v if isinstance(v, tuple) else (v,)))]
+    if huge:
+        raise QerlError(f"invalid {stage} config: {', '.join(huge)} must be below 2**40 in size; "
+                        f"change that option or --config value.")
     return cfg
 
 
