@@ -104,20 +104,15 @@ def load(stage: str, cls: type[C], config_file: str | Path | None = None, overri
         cfg = cls(**values)
     except (TypeError, ValueError) as e:
         raise QerlError(f"invalid {stage} config: {e}; change that option or --config value.") from None
-    # a NaN passes every `<` check a stage forgot, and no parameter means anything by an infinity: after the
-    # stage's own checks (their sentences say more), any left are refused by name
-    bad = [k for k, v in values.items()
-           if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,)))]
-    if bad:
-        raise QerlError(f"invalid {stage} config: {', '.join(bad)} must be finite (not nan or inf); "
-                        f"change that option or --config value.")
-    # no count, size or seed of any stage means anything at 2**40 (a 2**63 one ended in an overflow traceback)
-    huge = [k for k, v in values.items()
-            if any(isinstance(x, int) and not isinstance(x, bool) and abs(x) >= SEED_LIMIT
-                   for x in (v if isinstance(v, tuple) else (v,)))]
-    if huge:
-        raise QerlError(f"invalid {stage} config: {', '.join(huge)} must be below 2**40 in size; "
-                        f"change that option or --config value.")
+    # after the stage's own checks (their sentences say more), what no setting of any stage means is refused by
+    # name: a NaN (it passes every `<` check a stage forgot) or an infinity, and an integer of 2**40 or more in
+    # size (a 2**63 one ended in an overflow traceback inside the stage)
+    for problem, wrong in (("must be finite (not nan or inf)", lambda x: isinstance(x, float) and not math.isfinite(x)),
+                           ("must be below 2**40 in size",
+                            lambda x: isinstance(x, int) and not isinstance(x, bool) and abs(x) >= SEED_LIMIT)):
+        bad = [k for k, v in values.items() if any(map(wrong, v if isinstance(v, tuple) else (v,)))]
+        if bad:
+            raise QerlError(f"invalid {stage} config: {', '.join(bad)} {problem}; change that option or --config value.")
     return cfg
 
 
