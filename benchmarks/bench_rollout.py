@@ -84,8 +84,10 @@ def random_lora(model, rank: int) -> LoRA:
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
                 decode_attn=None, silu_in_kernel=None, rope_in_attn=None, silu_lora_in_kernel=None,
-                keep_graph=True, **engine_kw) -> dict:
+                keep_graph=True, dequant_layer=None, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
+    if dequant_layer is not None:  # (None: the engine's default)
+        eng.dequant_layer = dequant_layer
     # keep_graph (the engine's default since session 25): the timed call, of the warm-up's shapes, replays the
     # warm-up's decode graph; False: it captures its own (two warm-up steps + a capture inside its decode time)
     eng.keep_graph = keep_graph
@@ -171,11 +173,11 @@ def correctness(model, tok_prompts: list[list[int]], eos: int) -> dict:
 
 
 def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lora_rank: int = 0,
-                   decode_attn=None) -> dict:
+                   decode_attn=None, dequant_layer=None) -> dict:
     """Where a decode step's GPU time goes: torch.profiler over an eager generate (same kernels as the graph),
     kernels grouped by name, divided by the decode steps; plus the CUDA-graph step time for comparison.
-    ``lora_rank``: with an adapter of that rank on every projection (the training case). ``decode_attn``: the
-    engines' decode-attention mode (None: their default)."""
+    ``lora_rank``: with an adapter of that rank on every projection (the training case). ``decode_attn``,
+    ``dequant_layer``: the engines' settings of those (None: their default)."""
     from torch.profiler import ProfilerActivity, profile
 
     ps = prompts(batch, p_len, vocab)
@@ -185,6 +187,8 @@ def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lor
     eager.set_adapter(lora)
     if decode_attn is not None:
         eager.decode_attn = decode_attn
+    if dequant_layer is not None:
+        eager.dequant_layer = dequant_layer
     eager.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -202,9 +206,12 @@ def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lor
     graph.set_adapter(lora)
     if decode_attn is not None:
         graph.decode_attn = decode_attn
+    if dequant_layer is not None:
+        graph.dequant_layer = dequant_layer
     graph.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
     g = graph.generate(ps, 1, cfg, 1, set(), 0)
     out = {"batch": batch, "prompt": p_len, "new_tokens": new, "lora_rank": lora_rank, "decode_attn": decode_attn,
+           "dequant_layer": dequant_layer, "pdl": _pdl_on(),
            "gpu_kernel_us_total_incl_prefill": total, "kernel_launches": sum(v["calls"] for v in kernels.values()),
            "eager_decode_ms_per_step": 1e3 * b.timings["decode_s"] / steps,
            "graph_decode_ms_per_step": 1e3 * g.timings["decode_s"] / g.timings["decode_steps"],
@@ -223,7 +230,9 @@ def main() -> None:
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="profile the 7B-shape NVFP4 decode step at batch 8 (with --lora-only: with the adapter) and, "
-                         "unless --skip-smollm2, the SmolLM2 decode step at batch 256 in bf16 and NVFP4")
+                         "unless --skip-smollm2, the SmolLM2 decode step at batch 256 in bf16 and NVFP4 (without "
+                         "programmatic dependent launch), with NVFP4's per-layer dequantize timed against one launch "
+                         "per projection")
     ap.add_argument("--lora-only", action="store_true",
                     help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
                          "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
@@ -671,28 +680,22 @@ def _profiled(result, key, fn, save) -> None:
     save()
 
 
-def _smollm2_attn_arm(model, engine: str, rows, save) -> None:
-    """SmolLM2 shapes at batch 256: decode attention in our kernel past one wave (``decode_attn=True``) against
-    the default (``"auto"``: the kernel only where its blocks fit one wave, else SDPA), interleaved twice. At batch
-    256 the 768 (row, KV head) pairs, two splits each over 384 slots, are about four waves of the kernel's 64 KiB
-    blocks, so the default step attends in SDPA (session 18 measured SDPA ahead past one wave on the 7B heads, not
-    these 64-wide ones). A packed model also gets the tiled tensor-core NVFP4 kernel at M = 256 (``tc256``: one
-    launch per projection instead of dequantize + cuBLAS; measured slower on the 7B shapes at M = 256, session 23,
-    not on these small weights), with either attention."""
+def _pdl_on() -> bool:
     from qerl_cli import kernel
 
-    arms = [("", None, None), (" attn-kernel", True, None)]
-    if engine == "ours-nvfp4":
-        arms += [(" tc256", None, 256), (" attn-kernel tc256", True, 256)]
-    before = kernel.tc_max_m()
-    for _ in range(2):
-        for name, attn, tc in arms:
-            kernel.set_tc_max_m(before if tc is None else tc)
-            try:
-                r = time_engine(model, 256, 128, 256, 49152, decode_attn=attn)
-            finally:
-                kernel.set_tc_max_m(before)
-            rows.append({"model": "SmolLM2-135M", "engine": engine + name, "batch": 256, **r})
+    return bool(kernel.settings().get("pdl", True))
+
+
+def _smollm2_dequant_arm(model, rows, save) -> None:
+    """The packed SmolLM2 shapes at batch 256 (M = 256: every projection on the dequantize + cuBLAS path): a
+    layer's four projections dequantized by one launch (the engine's default since session 33) against one launch
+    per projection (``dequant_layer=False``, sessions 31-32: 120 dequantize launches per step, 319 us of the 2.07 ms
+    NVFP4 step on an H100), interleaved three times. (Session 32's arms, our attention kernel past one wave and the
+    tiled tensor-core kernel at M = 256, were slower on the H100 and are gone.)"""
+    for _ in range(3):
+        for name, on in (("", None), (" per-projection-dequant", False)):
+            r = time_engine(model, 256, 128, 256, 49152, dequant_layer=on)
+            rows.append({"model": "SmolLM2-135M", "engine": "ours-nvfp4" + name, "batch": 256, **r})
             save()
 
 
@@ -707,9 +710,10 @@ def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
         r = time_hf(base, batch, 128, 256, 49152)
         rows.append({"model": "SmolLM2-135M", "engine": "hf-generate-bf16", "batch": batch, **r})
         save()
-    if profile:  # (session 31: at batch 256 our step is 2.5 ms bf16 against HF's 14.7, short of 10x)
-        _smollm2_attn_arm(base, "ours-bf16", rows, save)
-        _profiled(result, "smollm2_bf16_decode_profile_b256", lambda: profile_decode(base, 256, 128, 49152), save)
+    if profile:  # (session 31: at batch 256 our step is 2.5 ms bf16 against HF's 14.7, short of 10x; session 33:
+        # without programmatic dependent launch, so that each kernel's time is its own, not its wait on the one before)
+        _profiled(result, "smollm2_bf16_decode_profile_b256_nopdl",
+                  lambda: without_pdl(lambda: profile_decode(base, 256, 128, 49152)), save)
     nv = pack_model_inplace(base)
     del base
     gc.collect()
@@ -731,10 +735,11 @@ def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
         rows.append({"model": "SmolLM2-135M", "engine": "ours-nvfp4", "batch": batch, **r})
         save()
     if profile:
-        _smollm2_attn_arm(nv, "ours-nvfp4", rows, save)
-        _profiled(result, "smollm2_nvfp4_decode_profile_b256", lambda: profile_decode(nv, 256, 128, 49152), save)
-        _profiled(result, "smollm2_nvfp4_decode_profile_b256_attn_kernel",
-                  lambda: profile_decode(nv, 256, 128, 49152, decode_attn=True), save)
+        _smollm2_dequant_arm(nv, rows, save)
+        _profiled(result, "smollm2_nvfp4_decode_profile_b256_nopdl",
+                  lambda: without_pdl(lambda: profile_decode(nv, 256, 128, 49152)), save)
+        _profiled(result, "smollm2_nvfp4_decode_profile_b256_nopdl_per_projection_dequant",
+                  lambda: without_pdl(lambda: profile_decode(nv, 256, 128, 49152, dequant_layer=False)), save)
     result["smollm2_weight_bytes"] = weight_bytes(nv)
     del nv
     gc.collect()

@@ -160,8 +160,12 @@
 #   74                             session 30: the default build, every GPU test file (-rfs: skip reasons logged)
 #   75                             session 31: the default build, bench_rollout.py's full default run (SmolLM2 shapes
 #                                  with HF generate, 7B shapes with HF generate and the ablations); ran on an H100
-#   76                             session 31 (prepared, not yet run): the default build, the SmolLM2 rows with their
-#                                  batch-256 decode steps profiled (bench_rollout.py --profile --skip-7b)
+#   76                             session 31 (run in session 32 on an H100): the default build, the SmolLM2 rows with
+#                                  their batch-256 decode steps profiled (bench_rollout.py --profile --skip-7b, then
+#                                  with session 32's attention and tc256 arms, since replaced)
+#   77                             session 33: the default build, the per-layer dequantize's GPU tests, then
+#                                  bench_rollout.py --profile --skip-7b (SmolLM2 rows; at batch 256 NVFP4 per-layer
+#                                  dequantize against one launch per projection; profiles without PDL)
 #   70                             (keep-graph, merged in session 28) part 69's build and engine GPU tests only (little
 #                                  device time); session 28 on an H100 (results/s28/part70_*)
 #   69                             (keep-graph, merged in session 28; prepared in session 25, not yet run as a whole)
@@ -792,6 +796,23 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
+  ;;
+77)
+  # session 33: the default build, the GPU tests of the per-layer dequantize (kernel.dequantize_many bit-exact with
+  # dequantize; the engine's tokens and log-probs bit-identical to one dequantize per projection) beside the
+  # engine's graph and PDL tests, then bench_rollout.py --profile --skip-7b: the SmolLM2 shapes at batch 64 and 256
+  # (ours NVFP4 / bf16, HF generate), NVFP4 at batch 256 with the per-layer dequantize against one launch per
+  # projection (interleaved three times), the b256 steps profiled without PDL, for at most T77 (default 560) seconds
+  sm90_start
+  build; stamp 77 "build done"
+  COLUMNS=200 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_kernel.py \
+    tests/test_engine_gpu.py -k "dequantize_many or dequant_layer or dequantize_bit_exact or decode_equals_eager or pdl_on_off" \
+    > "$OUT/gpu_tests_dequant_layer.log" 2>&1; tail -n 6 "$OUT/gpu_tests_dequant_layer.log"
+  stamp 77 "GPU tests done"
+  COLUMNS=200 timeout $(( ${T77:-560} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
+    --skip-7b --json "$OUT/rollout_smollm2_dequant.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_dequant.log" \
+    | grep -v '^{' | grep -v '━\|──'
+  stamp 77 "rollouts and profiles done"
   ;;
 76)
   # session 31 (prepared, not yet run): the default build, then bench_rollout.py --profile --skip-7b: the SmolLM2

@@ -1068,16 +1068,15 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t b) {
 
 constexpr int kDqTiles = 8;  // K tiles per CTA
 
+// one CTA of the dequantize kernels (256 threads): the 16 rows of row block rb over the K tiles [kt0, kt0 + kDqTiles)
 template <typename T>
-__global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __restrict__ qw,
-                                                            const float* __restrict__ gscale,
-                                                            T* __restrict__ out, int N, int K, int NT, int KT) {
+__device__ __forceinline__ void dequant_block(const uint8_t* __restrict__ qw, const float* __restrict__ gscale,
+                                              T* __restrict__ out, int N, int K, int KT, int rb, int kt0) {
   constexpr int E = 16 / sizeof(T);          // elements per 16-byte store
   constexpr int LD = kDqTiles * 64 + E;      // padded smem row
   __shared__ __align__(16) T tile[16 * LD];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int rb = blockIdx.y, kt0 = blockIdx.x * kDqTiles;
   const int kt = kt0 + warp;
   if (kt < KT) {
     const uint8_t* rec = qw + ((size_t)rb * KT + kt) * kRecordBytes;
@@ -1112,6 +1111,43 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __res
       *reinterpret_cast<uint4*>(out + (size_t)(rb * 16 + row) * K + kt0 * 64 + col) =
           *reinterpret_cast<const uint4*>(&tile[row * LD + col]);
   }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) nvfp4_dequant_kernel(const uint8_t* __restrict__ qw,
+                                                            const float* __restrict__ gscale,
+                                                            T* __restrict__ out, int N, int K, int NT, int KT) {
+  dequant_block<T>(qw, gscale, out, N, K, KT, blockIdx.y, blockIdx.x * kDqTiles);
+}
+
+// nvfp4_dequant_many_kernel (session 33): up to kDqMany packed weights into their bf16 copies in one launch (the
+// engine's batched decode steps above the small-M range dequantize a whole layer's weights at once, not one launch
+// per projection). CTAs [start[e], start[e + 1]) take weight e, in nvfp4_dequant_kernel's tiling (the same bits).
+constexpr int kDqMany = 8;
+struct DqMany {
+  const uint8_t* qw[kDqMany];
+  const float* gs[kDqMany];
+  __nv_bfloat16* out[kDqMany];
+  int n[kDqMany], k[kDqMany], kt[kDqMany], kch[kDqMany], start[kDqMany];
+  int count;
+};
+
+__global__ void __launch_bounds__(256) nvfp4_dequant_many_kernel(const DqMany d) {
+  const int bid = blockIdx.x;
+  int e = 0;
+#pragma unroll
+  for (int i = 1; i < kDqMany; ++i)  // (constant indices: the parameters stay in the constant bank)
+    if (i < d.count && bid >= d.start[i]) e = i;
+  const uint8_t* qw = d.qw[0];
+  const float* gs = d.gs[0];
+  __nv_bfloat16* out = d.out[0];
+  int n = d.n[0], k = d.k[0], kt = d.kt[0], kch = d.kch[0], start = d.start[0];
+#pragma unroll
+  for (int i = 1; i < kDqMany; ++i)
+    if (i == e) qw = d.qw[i], gs = d.gs[i], out = d.out[i], n = d.n[i], k = d.k[i], kt = d.kt[i], kch = d.kch[i],
+      start = d.start[i];
+  const int local = bid - start;
+  dequant_block<__nv_bfloat16>(qw, gs, out, n, k, kt, local / kch, (local % kch) * kDqTiles);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1868,6 +1904,50 @@ void dequantize_out(const at::Tensor& qw, const at::Tensor& gs, int64_t n, int64
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// the packed weights qws[i] ([ns[i], ks[i]] matrices, scales gss[i]) dequantized into consecutive bf16 [ns[i], ks[i]]
+// blocks of the flat bf16 out (sum of ns[i] * ks[i] elements), kDqMany weights per launch: the same bits as
+// dequantize_out of each
+void dequantize_many_out(const std::vector<at::Tensor>& qws, const std::vector<at::Tensor>& gss,
+                         const std::vector<int64_t>& ns, const std::vector<int64_t>& ks, at::Tensor& out) {
+  QERL_CHECK(qws.size() == gss.size() && qws.size() == ns.size() && qws.size() == ks.size(),
+             "qerl: dequantize_many needs as many scales, row and column counts as weights, got %zu, %zu, %zu, %zu",
+             qws.size(), gss.size(), ns.size(), ks.size());
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
+              "qerl: dequantize_many writes a contiguous bf16 CUDA tensor");
+  int64_t total = 0;
+  for (size_t i = 0; i < qws.size(); ++i) {
+    check_packed(qws[i], gss[i], ns[i], ks[i]);
+    TORCH_CHECK(qws[i].get_device() == out.get_device(), "qerl: tensors on different devices");
+    total += ns[i] * ks[i];
+  }
+  QERL_CHECK(out.numel() == total, "qerl: dequantize_many needs an output of %lld elements, got %lld",
+             (long long)total, (long long)out.numel());
+  if (qws.empty()) return;
+  c10::cuda::CUDAGuard guard(out.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto* base = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  int64_t at = 0;
+  for (size_t i0 = 0; i0 < qws.size(); i0 += kDqMany) {
+    DqMany d{};
+    int64_t blocks = 0;
+    d.count = (int)std::min<size_t>(kDqMany, qws.size() - i0);
+    for (int e = 0; e < d.count; ++e) {
+      const size_t i = i0 + e;
+      const int NT = (int)qws[i].size(0), KT = (int)qws[i].size(1);
+      d.qw[e] = qws[i].data_ptr<uint8_t>();
+      d.gs[e] = gss[i].data_ptr<float>();
+      d.out[e] = base + at;
+      d.n[e] = (int)ns[i], d.k[e] = (int)ks[i], d.kt[e] = KT, d.kch[e] = (KT + kDqTiles - 1) / kDqTiles;
+      d.start[e] = (int)blocks;
+      blocks += (int64_t)NT * d.kch[e];
+      at += ns[i] * ks[i];
+    }
+    QERL_CHECK(blocks < (int64_t)1 << 31, "qerl: dequantize_many: %lld blocks in one launch", (long long)blocks);
+    nvfp4_dequant_many_kernel<<<(unsigned)blocks, 256, 0, stream>>>(d);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 template <int TG, int R, int D, int KCH, int NACC, int MINB>
 static void launch_mma(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& gs, const __nv_bfloat16* bias,
                        at::Tensor& out, int M, int N, int K, int NT, int KT, const LoraAug& la) {
@@ -2537,6 +2617,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(v2) launch");
   m.def("linear_t_out", &qerl::linear_t_out, "g @ W into out");
   m.def("dequantize_out", &qerl::dequantize_out, "dense W into out");
+  m.def("dequantize_many_out", &qerl::dequantize_many_out,
+        "several packed weights into consecutive bf16 blocks of one flat out, up to 8 per launch");
   m.def("set_large_m_threshold", &qerl::set_large_m_threshold);
   m.def("choose_path", &qerl::choose_path,
         "the path linear_out takes for bf16 x of M rows: 0 mma, 1 dequant+cuBLAS, 2 tiled tensor-core kernel");

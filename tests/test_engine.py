@@ -632,6 +632,48 @@ def _plain_and_kernel_path(model, monkeypatch, factors: dict) -> tuple[Engine, E
     return plain, kern
 
 
+def test_layer_dense_plumbing_on_cpu(model, monkeypatch):
+    """Engine._layer_dense (CUDA decode steps above the small-M range): one kernel.dequantize_many call per layer
+    for the fused q/k/v and gate/up bases and the lone o / down projections whose product would take the
+    dequantize path, bit-exact copies; _base_out then computes base(x) as that path does (the product, then the
+    bias on the bf16 result) and the module itself without a copy; none while off, on the small-M path, over the
+    size cap, or off CUDA."""
+    from qerl_cli import engine as engine_mod
+    from qerl_cli import kernel
+
+    eng = Engine(copy.deepcopy(model), fuse=True)
+    h = torch.zeros(1, 100, 64, dtype=torch.bfloat16)
+    assert eng._layer_dense(1, h) is None  # (no NVFP4 products on CUDA)
+    eng._nvfp4_on_cuda = True
+    monkeypatch.setattr(kernel, "path", lambda m, n, k: kernel.BACKEND_DEQUANT if m > 64 else kernel.BACKEND_KERNEL)
+    calls, real = [], kernel.dequantize_many
+    monkeypatch.setattr(kernel, "dequantize_many", lambda ws: calls.append(len(ws)) or real(ws))
+    dense = eng._layer_dense(1, h)
+    layer = eng.layers[1]
+    want = [eng.fused[1]["qkv"].base, layer.self_attn.o_proj, eng.fused[1]["gate_up"].base, layer.mlp.down_proj]
+    assert calls == [4] and set(dense) == {id(b) for b in want}
+    for b in want:
+        ref = layout.dequantize(b.qweight, b.global_scale, b.out_features, b.in_features, torch.bfloat16)
+        assert torch.equal(dense[id(b)], ref)
+    x = torch.randn(2, 50, 64).bfloat16()
+    b = eng.fused[1]["qkv"].base
+    eng._dense_w = dense
+    monkeypatch.setattr(b, "bias", torch.randn(b.out_features).bfloat16())
+    y = eng._base_out(b, x)
+    assert y.shape == (2, 50, b.out_features)
+    assert torch.equal(y, ((x.reshape(-1, 64) @ dense[id(b)].t()) + b.bias).view(2, 50, -1))
+    assert torch.equal(eng._base_out(layer.self_attn.q_proj, x.float()), layer.self_attn.q_proj(x.float()))
+    eng._dense_w = None
+    assert torch.equal(eng._base_out(b, x.float()), b(x.float()))
+    assert eng._layer_dense(1, h[:, :64]) is None  # the small-M kernels' rows
+    eng.dequant_layer = False
+    assert eng._layer_dense(1, h) is None
+    eng.dequant_layer = True
+    monkeypatch.setattr(engine_mod, "DEQUANT_LAYER_MAX_WEIGHTS", sum(w.numel() for w in dense.values()) - 1)
+    assert eng._layer_dense(1, h) is None
+    assert calls == [4]
+
+
 def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
     """The fused-kernel path with an adapter, the kernels replaced by their torch definitions (fp32, CPU): the
     q/k/v and gate/up shrinks made by the norm, the down shrink by SiLU·mul, the expands after the base. Each fake

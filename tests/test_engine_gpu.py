@@ -125,13 +125,9 @@ def test_batched_group_lora_on_cuda(gpu_model, lora_kernels):
     assert torch.isfinite(gap).all() and float(gap.max()) < 0.25 and float(gap.mean()) < 0.03
 
 
-def test_pdl_on_off_identical_packed_qwen2():
-    """A packed Qwen2 model (q/k/v biases, added in the kernel's epilogue) through the CUDA-graph engine:
-    programmatic dependent launch on and off give bit-identical tokens and behaviour log-probs, and the
-    biases are really applied (the same engine without them samples differently)."""
+def _packed_qwen2_with_biases():
+    """A packed 3-layer Qwen2 on CUDA whose q/k/v biases are drawn large enough to matter."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from qerl_cli import kernel
 
     torch.manual_seed(1)
     conf = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=3,
@@ -141,7 +137,16 @@ def test_pdl_on_off_identical_packed_qwen2():
         for layer in m.model.layers:
             for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 p.bias.normal_(0, 0.5)
-    m = pack_model_inplace(m.to("cuda", torch.bfloat16))
+    return pack_model_inplace(m.to("cuda", torch.bfloat16))
+
+
+def test_pdl_on_off_identical_packed_qwen2():
+    """A packed Qwen2 model (q/k/v biases, added in the kernel's epilogue) through the CUDA-graph engine:
+    programmatic dependent launch on and off give bit-identical tokens and behaviour log-probs, and the
+    biases are really applied (the same engine without them samples differently)."""
+    from qerl_cli import kernel
+
+    m = _packed_qwen2_with_biases()
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=20)
     runs = []
     try:
@@ -457,3 +462,38 @@ def test_kept_decode_graph_equals_a_fresh_capture(gpu_model):
         again = eng.generate(shorter, 2, trunc, 8, set(), 0)
         assert again.timings["decode_state"] == "kept"
         assert same(again, Engine(gpu_model, "cuda").generate(shorter, 2, trunc, 8, set(), 0))
+
+
+def test_dequant_layer_same_bits_as_one_launch_per_projection(monkeypatch):
+    """Decode steps above the small-M range (3 prompts x 32 samples = 96 rows) and the teacher-forced pass over
+    them: a layer's packed projections dequantized by one launch (Engine.dequant_layer) give bit-identical
+    tokens, behaviour log-probs and log-probs to one dequantize per projection, with Qwen2's q/k/v biases, without
+    and with a batched adapter; the one launch really runs (four weights per layer)."""
+    from qerl_cli import kernel
+    from qerl_cli.engine import LoRA
+
+    m = _packed_qwen2_with_biases()
+    calls, real = [], kernel.dequantize_many
+    monkeypatch.setattr(kernel, "dequantize_many", lambda ws: calls.append(len(ws)) or real(ws))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=20)
+    for factors in (None, _random_factors(m, 8, 3)):
+        runs = []
+        for on in (True, False):
+            calls.clear()
+            eng = Engine(m, "cuda")
+            eng.dequant_layer = on
+            if factors is not None:
+                eng.set_adapter(LoRA(factors, scaling=2.0))
+            s = eng.generate(PROMPTS, 32, cfg, 7, set(), 0)
+            with torch.no_grad():
+                lp = eng.sequence_logprobs(s.prompt_ids, s.completion_ids, s.completion_mask, 1.0, 0, group=32)
+            runs.append((s, lp))
+            if on:
+                assert len(calls) >= 2 * len(m.model.layers) and set(calls) == {4}, calls
+            else:
+                assert calls == []
+        (a, lp_a), (b, lp_b) = runs
+        assert a.completion_ids.shape[0] == 96
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+        assert torch.equal(lp_a, lp_b)

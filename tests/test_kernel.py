@@ -172,6 +172,26 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.qerl.linear_t.default, (torch.randn(3, n), qw, gs, n, k))
     torch.library.opcheck(torch.ops.qerl.dequantize.default, (qw, gs, n, k, torch.bfloat16))
     torch.library.opcheck(torch.ops.qerl.linear_out.default, (x.detach(), qw, gs, n, k, torch.empty(3, n)))
+    q2, g2 = make_packed(17, 48, seed=8)
+    torch.library.opcheck(torch.ops.qerl.dequantize_many.default, ([qw, q2], [gs, g2], [n, 17], [k, 48]))
+
+
+def test_dequantize_many_cpu():
+    """Views of one flat bf16 buffer, each the dequantized weight (the reference on CPU), in the given order;
+    bad argument lists are one ValueError."""
+    shapes = [(40, 64), (17, 48), (16, 16), (33, 80)]
+    packed = [make_packed(n, k, seed=20 + i, kind="codes") for i, (n, k) in enumerate(shapes)]
+    ws = kernel.dequantize_many([(q, g, n, k) for (q, g), (n, k) in zip(packed, shapes)])
+    assert [tuple(w.shape) for w in ws] == shapes
+    assert len({w.untyped_storage().data_ptr() for w in ws}) == 1  # one buffer
+    for w, (q, g), (n, k) in zip(ws, packed, shapes):
+        assert w.dtype == torch.bfloat16 and torch.equal(w, layout.dequantize(q, g, n, k, torch.bfloat16))
+    assert kernel.dequantize_many([]) == []
+    (q, g), (n, k) = packed[0], shapes[0]
+    with pytest.raises(ValueError, match="as many scales"):
+        torch.ops.qerl.dequantize_many([q, q], [g], [n, n], [k, k])
+    with pytest.raises(ValueError, match="does not hold|multiple of 16"):
+        kernel.dequantize_many([(q, g, n, k + 16)])
 
 
 @pytest.mark.parametrize("cap", [264, 216, 660, 296])
@@ -1097,6 +1117,33 @@ def test_gpu_dequantize_bit_exact(n, k):
         assert kernel.last_backend() == kernel.BACKEND_KERNEL
         r = layout.dequantize(qw, gs, n, k, dt)
         assert torch.equal(d, r), f"dequantize {dt} differs at {(n, k)}"
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_many_bit_exact():
+    """Several weights (more than the 8 of one launch, odd row counts, SmolLM2's and 7B shapes) into one
+    NaN-poisoned buffer: each block bit-exact with dequantize, every element written, nothing past the end."""
+    _need_kernel()
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (17, 48), (200, 80), (4608, 3584), (1, 64),
+              (33, 1600), (37888, 3584)]
+    packed = [make_packed(n, k, device="cuda", seed=30 + i, kind="codes" if n * k < 1e7 else "randn")
+              for i, (n, k) in enumerate(shapes)]
+    total = sum(n * k for n, k in shapes)
+    out = torch.full((total + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="elements"):
+        kernel._load().dequantize_many_out([q for q, _ in packed], [g for _, g in packed],
+                                           [n for n, _ in shapes], [k for _, k in shapes], out)
+    kernel._load().dequantize_many_out([q for q, _ in packed], [g for _, g in packed], [n for n, _ in shapes],
+                                       [k for _, k in shapes], out[:total])
+    assert torch.isnan(out[total:]).all()
+    at = 0
+    for (q, g), (n, k) in zip(packed, shapes):
+        assert torch.equal(out[at: at + n * k].view(n, k), kernel.dequantize(q, g, n, k)), (n, k)
+        at += n * k
+    ws = kernel.dequantize_many([(q, g, n, k) for (q, g), (n, k) in zip(packed, shapes)])
+    assert kernel.last_backend() == kernel.BACKEND_KERNEL
+    assert all(torch.equal(w, out[a: a + w.numel()].view_as(w)) for w, a in
+               zip(ws, [sum(n * k for n, k in shapes[:i]) for i in range(len(shapes))]))
 
 
 @pytest.mark.gpu

@@ -220,10 +220,10 @@ def test_bench_rollout_table_shows_no_prefill_split_for_hf(monkeypatch, capsys):
 
 def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp_path):
     """--profile also profiles SmolLM2's decode step at batch 256 (session 31: 2.5 ms bf16 against HF's 14.7, short
-    of the 10x target), the bf16 model before it is packed and the NVFP4 one after, that one also with our decode
-    attention kernel; a profile that fails is recorded as its error and the throughput rows are kept. At batch 256
-    the arms (session 32) alternate the default with our attention kernel past one wave, and for NVFP4 each with the
-    tiled tensor-core kernel at M = 256, interleaved twice, the kernel's setting restored after each row."""
+    of the 10x target), the bf16 model before it is packed and the NVFP4 one after, with programmatic dependent
+    launch off (session 33) and restored after; the NVFP4 one also with one dequantize launch per projection; a
+    profile that fails is recorded as its error and the throughput rows are kept. At batch 256 the NVFP4 arm
+    alternates the per-layer dequantize (the default) with one per projection, interleaved three times."""
     import json
     import sys
 
@@ -233,17 +233,17 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
     from qerl_cli.packed_model import PackedLinear
 
     br = _load_bench("bench_rollout")
-    profiled, timed, tc = [], [], {"max_m": 0}
+    profiled, timed, pdl = [], [], {"on": True}
 
     def fake_profile(model, batch, p_len, vocab, **kw):
         profiled.append((model.config.model_type, batch, any(isinstance(m, PackedLinear) for m in model.modules()),
-                         kw.get("decode_attn")))
+                         kw.get("dequant_layer"), pdl["on"]))
         if len(profiled) == 2:
             raise RuntimeError("profiler broke")
         return {"batch": batch}
 
-    def fake_time(model, batch, *a, decode_attn=None, **k):
-        timed.append((batch, any(isinstance(m, PackedLinear) for m in model.modules()), decode_attn, tc["max_m"]))
+    def fake_time(model, batch, *a, dequant_layer=None, **k):
+        timed.append((batch, any(isinstance(m, PackedLinear) for m in model.modules()), dequant_layer))
         return row | {"prefill_s": 0.1, "decode_s": 0.9, "decode_state": "new", "decode_setup_s": 0.0}
 
     row = {"tokens": 1, "wall_s": 1.0, "tokens_per_s": 1.0, "peak_alloc_gib": 0.0}
@@ -252,19 +252,16 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
     monkeypatch.setattr(br, "time_hf", lambda *a, **k: dict(row))
     monkeypatch.setattr(br, "correctness", lambda *a, **k: {})
     monkeypatch.setattr(br, "profile_decode", fake_profile)
-    monkeypatch.setattr(kernel, "tc_max_m", lambda: tc["max_m"])
-    monkeypatch.setattr(kernel, "set_tc_max_m", lambda m: tc.update(max_m=m))
+    monkeypatch.setattr(kernel, "set_pdl", lambda on: pdl.update(on=on))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
     monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--profile", "--skip-7b", "--json", str(tmp_path / "r.json")])
     br.main()
-    assert profiled == [("llama", 256, False, None), ("llama", 256, True, None), ("llama", 256, True, True)]
-    bf16_arm, nvfp4_arm = [(256, False, None, 0), (256, False, True, 0)], [
-        (256, True, None, 0), (256, True, True, 0), (256, True, None, 256), (256, True, True, 256)]
-    assert timed == ([(64, False, None, 0), (256, False, None, 0)] + bf16_arm * 2 + [(64, True, None, 0),
-                     (256, True, None, 0)] + nvfp4_arm * 2) and tc["max_m"] == 0
+    assert profiled == [("llama", 256, False, None, False), ("llama", 256, True, None, False),
+                        ("llama", 256, True, False, False)] and pdl["on"]
+    assert timed == ([(64, False, None), (256, False, None), (64, True, None), (256, True, None)]
+                     + [(256, True, None), (256, True, False)] * 3)
     out = json.loads((tmp_path / "r.json").read_text())
-    assert out["smollm2_bf16_decode_profile_b256"] == {"batch": 256}
-    assert out["smollm2_nvfp4_decode_profile_b256_attn_kernel"] == {"batch": 256}
-    assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256"]["error"] and len(out["runs"]) == 18
-    assert [r["engine"] for r in out["runs"][-4:]] == ["ours-nvfp4", "ours-nvfp4 attn-kernel", "ours-nvfp4 tc256",
-                                                       "ours-nvfp4 attn-kernel tc256"]
+    assert out["smollm2_bf16_decode_profile_b256_nopdl"] == {"batch": 256}
+    assert out["smollm2_nvfp4_decode_profile_b256_nopdl_per_projection_dequant"] == {"batch": 256}
+    assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256_nopdl"]["error"] and len(out["runs"]) == 12
+    assert [r["engine"] for r in out["runs"][-2:]] == ["ours-nvfp4", "ours-nvfp4 per-projection-dequant"]

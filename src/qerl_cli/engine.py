@@ -52,6 +52,10 @@ from .errors import QerlError
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # On CUDA a rollout's KV cache holds a multiple of this many slots (``Engine.cache_slots``).
 SLOT_BUCKET = 32
+# Forwards of the fused kernels whose packed products take the dequantize + cuBLAS path (batched decode steps above
+# the small-M range, prefills, log-prob passes) dequantize a layer's projections in one launch where they hold at
+# most this many weights together (a bf16 copy of 128 MiB at most; ``Engine.dequant_layer``).
+DEQUANT_LAYER_MAX_WEIGHTS = 2 ** 26
 # Teacher-forced log-probs project at most this many logits at a time (fp32: 1 GiB).
 LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
@@ -604,6 +608,13 @@ class Engine:
         # a decode step's additive mask where fused.decode_attn declined it in a layer: built once, in the first
         # such layer, and reused by the others of the same forward (reset at each forward's start and end)
         self._step_mask: torch.Tensor | None = None
+        # with the fused kernels on, a layer's packed projections that take the dequantize + cuBLAS path (more rows
+        # than the small-M kernels take: batched decode steps such as SmolLM2's at batch 256, prefills) are
+        # dequantized by one launch at the layer's start (kernel.dequantize_many; DEQUANT_LAYER_MAX_WEIGHTS at most)
+        # instead of one per projection: the same bits, three launches fewer per layer (session 33);
+        # QERL_ENGINE_DEQUANT_LAYER=0 (or False) keeps one per projection
+        self.dequant_layer = os.environ.get("QERL_ENGINE_DEQUANT_LAYER", "1") != "0"
+        self._dense_w: dict[int, torch.Tensor] | None = None  # id(packed base) -> its bf16 copy, in _layer_kernels
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -684,18 +695,56 @@ class Engine:
         if snap is not None:  # a no-grad call: the base, then the batched LoRA term (see _lora_terms)
             base = _base_layer(module)
             if snap is _NO_LORA:
-                return base(x)
+                return self._base_out(base, x)
             y, shrunk = self._lora_in_kernel(base, x, snap, shrunk)
             if y is not None:
                 return y
-            return _lora_add(base(x), x, snap, self._kernels and self.lora_kernels, shrunk)
-        y = module(x)
+            return _lora_add(self._base_out(base, x), x, snap, self._kernels and self.lora_kernels, shrunk)
+        y = self._base_out(module, x)  # (a peft-wrapped module has no bf16 copy: module(x))
         if self.lora is not None:
             f = self.lora.factors.get(name)
             if f is not None:
                 a, b = f
                 y = y + (x @ a.t()) @ b.t() * self.lora.scaling
         return y
+
+    def _base_out(self, base, x: torch.Tensor) -> torch.Tensor:
+        """``base(x)``, from the bf16 copy that ``_layer_dense`` made of a packed base where there is one: the
+        dequantize + cuBLAS path's own steps (``kernel.linear``: the product into a fresh output, then the bias
+        added to the bf16 result), so the same bits."""
+        w = self._dense_w.get(id(base)) if self._dense_w is not None else None
+        if w is None:
+            return base(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.mm(x2, w.t(), out=torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
+        if base.bias is not None:
+            y.add_(base.bias.to(x.dtype).contiguous())
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    def _layer_dense(self, i: int, h: torch.Tensor) -> dict[int, torch.Tensor] | None:
+        """Bf16 copies of layer ``i``'s packed bases (fused groups' and lone projections') whose product on
+        hidden states ``h`` takes the dequantize + cuBLAS path, made by one ``kernel.dequantize_many`` launch,
+        by ``id`` of the base; None where fewer than two qualify, they hold more than
+        ``DEQUANT_LAYER_MAX_WEIGHTS`` weights, or ``dequant_layer`` is off."""
+        if not (self.dequant_layer and self._nvfp4_on_cuda):
+            return None
+        from .packed_model import PackedLinear
+
+        rows, layer, fused = h.shape[0] * h.shape[1], self.layers[i], self.fused[i]
+        in_group = {n for key, (_, members) in FUSED_GROUPS.items() if key in fused for n in members}
+        bases = [f.base for f in fused.values()]
+        for p in PROJECTIONS:
+            parent, name = p.split(".")
+            if name not in in_group:
+                m = getattr(getattr(layer, parent), name)
+                # (a peft-wrapped one reaches _base_out only through the batched terms' snapshot)
+                bases.append(_base_layer(m) if self._lora_snap is not None else m)
+        take = [b for b in bases if isinstance(b, PackedLinear)
+                and _kernel.path(rows, b.out_features, b.in_features) == _kernel.BACKEND_DEQUANT]
+        if len(take) < 2 or sum(b.out_features * b.in_features for b in take) > DEQUANT_LAYER_MAX_WEIGHTS:
+            return None
+        ws = _kernel.dequantize_many([(b.qweight, b.global_scale, b.out_features, b.in_features) for b in take])
+        return {id(b): w for b, w in zip(take, ws)}
 
     def _lora_in_kernel(self, base, x: torch.Tensor, terms: tuple, shrunk: torch.Tensor | None
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -743,8 +792,8 @@ class Engine:
             y, shrunk = self._lora_in_kernel(f.base, x, snap, shrunk)
             if y is not None:
                 return y
-            return _lora_add(f.base(x), x, snap, self._kernels and self.lora_kernels, shrunk)
-        y = f.base(x)
+            return _lora_add(self._base_out(f.base, x), x, snap, self._kernels and self.lora_kernels, shrunk)
+        y = self._base_out(f.base, x)
         if snap is _NO_LORA:
             return y
         deltas: list[torch.Tensor | None] = []
@@ -1013,14 +1062,19 @@ class Engine:
                        slots: torch.Tensor, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``_layer`` with the fused kernels (no grad, CUDA, bf16): the residual add of the previous layer's MLP
         output (``pending``) inside this layer's input norm, rotary + KV-cache write in one kernel, SiLU·mul in
-        one. Returns the residual stream and this layer's MLP output, not yet added."""
+        one. Returns the residual stream and this layer's MLP output, not yet added. The layer's projections on
+        the dequantize path read the bf16 copies of one launch (``_layer_dense``)."""
         t_qkv, t_gu = (self._shrink_terms(self.fused[i].get(k), h) for k in ("qkv", "gate_up"))
         t_down = self._shrink_terms(self.layers[i].mlp.down_proj, h)
-        h, x, s_qkv = self._add_norm(h, pending, w_in, t_qkv)
-        o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True, shrunk=s_qkv,
-                            key_mask=key_mask)
-        h, x, s_gu = self._add_norm(h, o, w_post, t_gu)
-        return h, self._mlp(i, x, _silu_mul_kernel, s_gu, t_down)
+        self._dense_w = self._layer_dense(i, h)
+        try:
+            h, x, s_qkv = self._add_norm(h, pending, w_in, t_qkv)
+            o = self._attention(i, x, cos, sin, mask, cache, slots, _CUDA_OPS, kernels=True, shrunk=s_qkv,
+                                key_mask=key_mask)
+            h, x, s_gu = self._add_norm(h, o, w_post, t_gu)
+            return h, self._mlp(i, x, _silu_mul_kernel, s_gu, t_down)
+        finally:
+            self._dense_w = None
 
     def _add_norm(self, h: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, terms: tuple | None):
         """``fused.add_norm``, with the LoRA shrink of ``terms`` in the same kernel where it takes them:

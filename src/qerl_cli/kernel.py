@@ -7,9 +7,11 @@ Public API (all tensors may live on CPU, where the pure-torch reference runs)::
     linear(x, qweight, global_scale, n, k, *, out=None)   # x [..., k] -> x @ W^T  [..., n], x.dtype
     linear_t(g, qweight, global_scale, n, k)              # g [..., n] -> g @ W    [..., k]
     dequantize(qweight, global_scale, n, k, dtype=torch.bfloat16)  # [n, k]
+    dequantize_many([(qweight, global_scale, n, k), ...])          # bf16 [n, k] views of one buffer, one launch
+    path(m, n, k) -> str | None     # the backend linear takes for bf16 x of m rows (None: no extension)
 
 The products are torch custom ops in the ``qerl`` namespace (``torch.ops.qerl.linear``, ``linear_t``,
-``dequantize`` and the in-place ``linear_out``) with fake implementations, so they trace under
+``dequantize``, ``dequantize_many`` and the in-place ``linear_out``) with fake implementations, so they trace under
 ``torch.compile`` / ``torch.export``; ``linear`` is differentiable with respect to ``x`` (its backward is
 ``linear_t``; the packed weight is frozen).
 
@@ -74,7 +76,8 @@ import torch
 
 from . import layout
 
-__all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "large_m_threshold",
+__all__ = ["available", "last_backend", "linear", "linear_t", "dequantize", "dequantize_many", "path",
+           "large_m_threshold",
            "set_large_m_threshold", "tc_max_m", "set_tc_max_m", "build_error", "variant", "set_variant", "VARIANTS", "set_pdl", "set_cluster",
            "linear_lora", "takes_lora", "linear_silu", "LORA_MAX_ROWS", "set_v2_aligned", "set_v2_cluster", "set_v2_prefetch",
            "settings"]
@@ -533,6 +536,36 @@ def _(qweight, global_scale, n, k, dtype):
     return qweight.new_empty(n, k, dtype=dtype)
 
 
+@torch.library.custom_op("qerl::dequantize_many", mutates_args=())
+def _dequantize_many_op(qweights: list[torch.Tensor], global_scales: list[torch.Tensor], ns: list[int],
+                        ks: list[int]) -> torch.Tensor:
+    if not (len(qweights) == len(global_scales) == len(ns) == len(ks)) or not qweights:
+        raise ValueError(f"dequantize_many needs one or more weights with as many scales, row and column counts, "
+                         f"got {len(qweights)}, {len(global_scales)}, {len(ns)}, {len(ks)}")
+    for q, g, n, k in zip(qweights, global_scales, ns, ks):
+        _check_packed(q, g, n, k)
+    dev = qweights[0].device
+    if any(q.device != dev for q in qweights):
+        raise ValueError("dequantize_many: the weights lie on different devices")
+    ext = _use_kernel(qweights[0])
+    if ext is None:
+        _set_backend(BACKEND_REFERENCE)
+        return torch.cat([layout.dequantize(q, g, n, k, torch.bfloat16).reshape(-1)
+                          for q, g, n, k in zip(qweights, global_scales, ns, ks)])
+    out = torch.empty(sum(n * k for n, k in zip(ns, ks)), dtype=torch.bfloat16, device=dev)
+    ext.dequantize_many_out([q.contiguous() for q in qweights], [_gs(g) for g in global_scales],
+                            [int(n) for n in ns], [int(k) for k in ks], out)
+    _set_backend(BACKEND_KERNEL)
+    return out
+
+
+@_dequantize_many_op.register_fake
+def _(qweights, global_scales, ns, ks):
+    for q, g, n, k in zip(qweights, global_scales, ns, ks):
+        _check_packed(q, g, n, k)
+    return qweights[0].new_empty(sum(n * k for n, k in zip(ns, ks)), dtype=torch.bfloat16)
+
+
 # autograd: d(x @ W^T)/dx = grad @ W and d(g @ W)/dg = g' @ W^T; the packed weight and its scale are frozen
 def _linear_setup(ctx, inputs, output):
     qweight, global_scale, n, k = inputs[1:5]
@@ -669,3 +702,27 @@ def dequantize(qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dense ``[n, k]`` weight; bit-exact with :func:`layout.dequantize` (fp32 math, one rounding)."""
     return torch.ops.qerl.dequantize(qweight, global_scale, int(n), int(k), dtype)
+
+
+def dequantize_many(weights: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> list[torch.Tensor]:
+    """Dense bf16 ``[n, k]`` weights of several packed ones ``(qweight, global_scale, n, k)``, each bit-exact with
+    :func:`dequantize`: views into one buffer, written by one kernel launch per 8 weights on CUDA (the engine's
+    batched steps dequantize a layer's projections at once, session 33)."""
+    if not weights:
+        return []
+    q, g, ns, ks = zip(*weights)
+    flat = torch.ops.qerl.dequantize_many(list(q), list(g), [int(n) for n in ns], [int(k) for k in ks])
+    out, at = [], 0
+    for n, k in zip(ns, ks):
+        out.append(flat[at: at + n * k].view(n, k))
+        at += n * k
+    return out
+
+
+def path(m: int, n: int, k: int) -> str | None:
+    """The backend :func:`linear` takes for bf16 CUDA ``x`` of ``m`` rows and an ``[n, k]`` weight on this
+    process's settings (``BACKEND_KERNEL``, ``BACKEND_TILED`` or ``BACKEND_DEQUANT``); None without the extension."""
+    ext = _load() if torch.cuda.is_available() else None
+    if ext is None:
+        return None
+    return {0: BACKEND_KERNEL, 2: BACKEND_TILED}.get(int(ext.choose_path(int(m), int(n), int(k))), BACKEND_DEQUANT)
