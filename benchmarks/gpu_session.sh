@@ -802,7 +802,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   stamp 65 "ncu done"
   ;;
 78)
-  # session 33: the default build, every test of tests/test_engine_gpu.py and tests/test_decode_attn_gpu.py (the
+  # session 33: the default build, every test of tests/test_engine_gpu.py, test_decode_attn_gpu.py and test_train_gpu.py (the
   # decode steps' attention over buckets of the cache's slots: graph per bucket, eager, kept, policy;
   # fused.decode_attn_takes against the launcher) and the dequantize_many test, then bench_rollout.py --profile
   # --skip-7b: the SmolLM2 rows, at batch 256 each engine's default against attention over the whole cache (and
@@ -810,8 +810,8 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   # the 256-token rollout without PDL, for at most T78 (default 560) seconds
   sm90_start
   build; stamp 78 "build done"
-  COLUMNS=200 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
-    tests/test_decode_attn_gpu.py tests/test_kernel.py -k "not test_kernel or dequantize_many" \
+  COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    tests/test_decode_attn_gpu.py tests/test_train_gpu.py tests/test_kernel.py -k "not test_kernel or dequantize_many" \
     > "$OUT/gpu_tests_buckets.log" 2>&1; tail -n 12 "$OUT/gpu_tests_buckets.log"
   stamp 78 "GPU tests done"
   COLUMNS=200 timeout $(( ${T78:-560} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
