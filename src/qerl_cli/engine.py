@@ -19,7 +19,13 @@ the adapter per call, see ``_lora_terms``); differentiable forwards compute them
 Fused kernels (CUDA, bf16, no grad; :mod:`qerl_cli.fused`): residual add + RMSNorm, rotary + KV-cache write,
 SiLU·mul, each one kernel, rounding where torch's ops round; in decode steps the rotary and the cache write ride
 in the decode attention kernel (``fused.rope_decode_attn``) and SiLU·mul in the gate/up NVFP4 kernel
-(``kernel.linear_silu``, with the group's LoRA term where an adapter is on).
+(``kernel.linear_silu``, with the group's LoRA term where an adapter is on). Where a layer's packed products take
+the dequantize + cuBLAS path (batched steps past the small-M kernels, prefills), one launch dequantizes all of
+its projections (``Engine.dequant_layer``).
+
+Decode steps that attend in SDPA (an adapter, or batches past the decode attention kernel's one wave) attend over
+the cache's first slots up to a bucket of ``ATTEND_BUCKET`` above the step's own, not over the whole cache under a
+mask: one decode graph per bucket (``Engine.attend_buckets``).
 
 Behaviour log-probs: for each sampled token, the log-prob under the distribution it was **actually sampled
 from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
