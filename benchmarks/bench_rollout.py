@@ -707,11 +707,15 @@ def _smollm2_arms(model, engine: str, rows, save) -> None:
     attention over the whole cache (``attend_buckets=False``, sessions 31-32: SDPA under the mask over all 384 slots,
     640 us of the step on an H100 in session 33; now over the step's 64-slot bucket), and for the packed model against
     one dequantize launch per projection (``dequant_layer=False``; the per-layer launch measured 3.4-4.6 % faster in
-    session 33 on an H100). (Session 32's arms, our attention kernel past one wave and the tiled tensor-core kernel
-    at M = 256, were slower and are gone.)"""
+    session 33 on an H100), for bf16 also both with a capture per call (``keep_graph=False``: a one-off rollout
+    pays the bucket graphs' warm-ups and captures). (Session 32's arms, our attention kernel past one wave and the
+    tiled tensor-core kernel at M = 256, were slower and are gone.)"""
     arms = [("", {}), (" whole-cache-attention", {"attend_buckets": False})]
     if engine == "ours-nvfp4":
         arms.append((" per-projection-dequant", {"dequant_layer": False}))
+    else:  # a call that captures its own graphs (one per bucket: their warm-ups and captures inside its time)
+        arms += [(" capture-per-call", {"keep_graph": False}),
+                 (" whole-cache-attention capture-per-call", {"attend_buckets": False, "keep_graph": False})]
     for _ in range(3):
         for name, kw in arms:
             r = time_engine(model, 256, 128, 256, 49152, **kw)

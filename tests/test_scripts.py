@@ -223,8 +223,8 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
     against HF's 14.7, short of the 10x target), the bf16 model before it is packed and the NVFP4 one after, with
     programmatic dependent launch off (session 33) and restored after; the NVFP4 one also with attention over the
     whole cache; a profile that fails is recorded as its error and the throughput rows are kept. At batch 256 each
-    engine's arm alternates the default with attention over the whole cache, and the NVFP4 one with one dequantize
-    launch per projection, interleaved three times."""
+    engine's arm alternates the default with attention over the whole cache, the bf16 one both also with a capture
+    per call, the NVFP4 one with one dequantize launch per projection, interleaved three times."""
     import json
     import sys
 
@@ -243,8 +243,9 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
             raise RuntimeError("profiler broke")
         return {"batch": batch}
 
-    def fake_time(model, batch, *a, dequant_layer=None, attend_buckets=None, **k):
-        timed.append((batch, any(isinstance(m, PackedLinear) for m in model.modules()), dequant_layer, attend_buckets))
+    def fake_time(model, batch, *a, dequant_layer=None, attend_buckets=None, keep_graph=True, **k):
+        timed.append((batch, any(isinstance(m, PackedLinear) for m in model.modules()), dequant_layer, attend_buckets)
+                     + (() if keep_graph else ("capture",)))
         return row | {"prefill_s": 0.1, "decode_s": 0.9, "decode_state": "new", "decode_setup_s": 0.0}
 
     row = {"tokens": 1, "wall_s": 1.0, "tokens_per_s": 1.0, "peak_alloc_gib": 0.0}
@@ -259,13 +260,14 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
     br.main()
     assert profiled == [("llama", 256, False, 256, None, False), ("llama", 256, True, 256, None, False),
                         ("llama", 256, True, 256, False, False)] and pdl["on"]
-    bf16_arm = [(256, False, None, None), (256, False, None, False)]
+    bf16_arm = [(256, False, None, None), (256, False, None, False), (256, False, None, None, "capture"),
+                (256, False, None, False, "capture")]
     nvfp4_arm = [(256, True, None, None), (256, True, None, False), (256, True, False, None)]
     assert timed == ([(64, False, None, None), (256, False, None, None)] + bf16_arm * 3
                      + [(64, True, None, None), (256, True, None, None)] + nvfp4_arm * 3)
     out = json.loads((tmp_path / "r.json").read_text())
     assert out["smollm2_bf16_decode_profile_b256_nopdl"] == {"batch": 256}
     assert out["smollm2_nvfp4_decode_profile_b256_nopdl_whole_cache_attention"] == {"batch": 256}
-    assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256_nopdl"]["error"] and len(out["runs"]) == 21
+    assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256_nopdl"]["error"] and len(out["runs"]) == 27
     assert [r["engine"] for r in out["runs"][-3:]] == ["ours-nvfp4", "ours-nvfp4 whole-cache-attention",
                                                        "ours-nvfp4 per-projection-dequant"]
