@@ -163,10 +163,11 @@
 #   76                             session 31 (run in session 32 on an H100): the default build, the SmolLM2 rows with
 #                                  their batch-256 decode steps profiled (bench_rollout.py --profile --skip-7b, then
 #                                  with session 32's attention and tc256 arms, since replaced)
-#   78                             session 33: the default build, the engine's and decode attention's GPU test files and
-#                                  the dequantize_many test (attention over slot buckets), then bench_rollout.py
-#                                  --profile --skip-7b (SmolLM2 rows; at batch 256 buckets against the whole cache and
-#                                  NVFP4 per-layer dequantize against per projection; decode-only profiles, no PDL)
+#   78                             session 33 (ran on an H100, buckets then on by default; opt-in since): the default
+#                                  build, the engine's, decode attention's and train's GPU test files and the
+#                                  dequantize_many test (attention over slot buckets), then bench_rollout.py --profile
+#                                  --skip-7b (SmolLM2 rows; at batch 256 slot buckets against the whole cache, NVFP4
+#                                  per-layer dequantize against per projection; decode-only profiles, no PDL)
 #   77                             session 33: the default build, the per-layer dequantize's GPU tests, then
 #                                  bench_rollout.py --profile --skip-7b (SmolLM2 rows; at batch 256 NVFP4 per-layer
 #                                  dequantize against one launch per projection; profiles without PDL)

@@ -676,7 +676,7 @@ def test_layer_dense_plumbing_on_cpu(model, monkeypatch):
 
 def test_attend_buckets_plumbing_on_cpu(model, monkeypatch):
     """The attended slots of a decode step (engine._attended): its slot + 1 rounded up to the bucket, at most the
-    cache, None without a bucket; Engine._attend_bucket gives one only on CUDA with attend_buckets on, a cache
+    cache, None without a bucket; Engine._attend_bucket gives one only on CUDA with attend_buckets on (opt-in), a cache
     longer than one bucket, and steps that fused.decode_attn does not take (asked with the step's shapes and
     "wave" as one_wave_only)."""
     from qerl_cli import engine as engine_mod
@@ -687,6 +687,8 @@ def test_attend_buckets_plumbing_on_cpu(model, monkeypatch):
                                                                                   384, 384]
     assert att(300, 64, 310) == 310 and att(5, None, 384) is None
     eng = Engine(model)
+    assert eng.attend_buckets is False  # (opt-in: QERL_ENGINE_ATTEND_BUCKETS=1)
+    eng.attend_buckets = True
     assert eng._attend_bucket(256, 384) is None  # (CPU: every step over the whole cache)
     eng.device, eng._kernels = torch.device("cuda"), True
     asked = []

@@ -221,9 +221,9 @@ def test_bench_rollout_table_shows_no_prefill_split_for_hf(monkeypatch, capsys):
 def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp_path):
     """--profile also profiles SmolLM2's decode step at batch 256 over its 256 new tokens (session 31: 2.5 ms bf16
     against HF's 14.7, short of the 10x target), the bf16 model before it is packed and the NVFP4 one after, with
-    programmatic dependent launch off (session 33) and restored after; the NVFP4 one also with attention over the
-    whole cache; a profile that fails is recorded as its error and the throughput rows are kept. At batch 256 each
-    engine's arm alternates the default with attention over the whole cache, the bf16 one both also with a capture
+    programmatic dependent launch off (session 33) and restored after; the NVFP4 one also with attention over slot
+    buckets; a profile that fails is recorded as its error and the throughput rows are kept. At batch 256 each
+    engine's arm alternates the default with attention over slot buckets, the bf16 one both also with a capture
     per call, the NVFP4 one with one dequantize launch per projection, interleaved three times."""
     import json
     import sys
@@ -259,15 +259,15 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
     monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--profile", "--skip-7b", "--json", str(tmp_path / "r.json")])
     br.main()
     assert profiled == [("llama", 256, False, 256, None, False), ("llama", 256, True, 256, None, False),
-                        ("llama", 256, True, 256, False, False)] and pdl["on"]
-    bf16_arm = [(256, False, None, None), (256, False, None, False), (256, False, None, None, "capture"),
-                (256, False, None, False, "capture")]
-    nvfp4_arm = [(256, True, None, None), (256, True, None, False), (256, True, False, None)]
+                        ("llama", 256, True, 256, True, False)] and pdl["on"]
+    bf16_arm = [(256, False, None, None), (256, False, None, True), (256, False, None, None, "capture"),
+                (256, False, None, True, "capture")]
+    nvfp4_arm = [(256, True, None, None), (256, True, None, True), (256, True, False, None)]
     assert timed == ([(64, False, None, None), (256, False, None, None)] + bf16_arm * 3
                      + [(64, True, None, None), (256, True, None, None)] + nvfp4_arm * 3)
     out = json.loads((tmp_path / "r.json").read_text())
     assert out["smollm2_bf16_decode_profile_b256_nopdl"] == {"batch": 256}
-    assert out["smollm2_nvfp4_decode_profile_b256_nopdl_whole_cache_attention"] == {"batch": 256}
+    assert out["smollm2_nvfp4_decode_profile_b256_nopdl_attend_buckets"] == {"batch": 256}
     assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256_nopdl"]["error"] and len(out["runs"]) == 27
-    assert [r["engine"] for r in out["runs"][-3:]] == ["ours-nvfp4", "ours-nvfp4 whole-cache-attention",
+    assert [r["engine"] for r in out["runs"][-3:]] == ["ours-nvfp4", "ours-nvfp4 attend-buckets",
                                                        "ours-nvfp4 per-projection-dequant"]

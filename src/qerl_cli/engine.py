@@ -23,9 +23,9 @@ in the decode attention kernel (``fused.rope_decode_attn``) and SiLU·mul in the
 the dequantize + cuBLAS path (batched steps past the small-M kernels, prefills), one launch dequantizes all of
 its projections (``Engine.dequant_layer``).
 
-Decode steps that attend in SDPA (an adapter, or batches past the decode attention kernel's one wave) attend over
-the cache's first slots up to a bucket of ``ATTEND_BUCKET`` above the step's own, not over the whole cache under a
-mask: one decode graph per bucket (``Engine.attend_buckets``).
+Opt-in (``Engine.attend_buckets``): decode steps that attend in SDPA (an adapter, or batches past the decode
+attention kernel's one wave) attend over the cache's first slots up to a bucket of ``ATTEND_BUCKET`` above the
+step's own, not over the whole cache under a mask: one decode graph per bucket.
 
 Behaviour log-probs: for each sampled token, the log-prob under the distribution it was **actually sampled
 from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
@@ -631,13 +631,15 @@ class Engine:
         # QERL_ENGINE_DEQUANT_LAYER=0 (or False) keeps one per projection
         self.dequant_layer = os.environ.get("QERL_ENGINE_DEQUANT_LAYER", "1") != "0"
         self._dense_w: dict[int, torch.Tensor] | None = None  # id(packed base) -> its bf16 copy, in _layer_kernels
-        # on CUDA, decode steps that attend in SDPA (with an adapter under decode_attn "auto", at shapes our kernel
-        # does not take, or past the one wave that "wave" allows, e.g. SmolLM2 at batch 256) attend over the
-        # cache's first n slots, n the step's slot + 1 rounded up to a multiple of ATTEND_BUCKET, not over every
-        # slot under the mask (the slots past the step's are masked out anyway): one decode graph per such n,
-        # captured before the first step (session 33). QERL_ENGINE_ATTEND_BUCKETS=0 (or False): every step over the
-        # whole cache, one graph
-        self.attend_buckets = os.environ.get("QERL_ENGINE_ATTEND_BUCKETS", "1") != "0"
+        # opt-in (QERL_ENGINE_ATTEND_BUCKETS=1 or True): on CUDA, decode steps that attend in SDPA (with an adapter
+        # under decode_attn "auto", at shapes our kernel does not take, or past the one wave that "wave" allows, e.g.
+        # SmolLM2 at batch 256) attend over the cache's first n slots, n the step's slot + 1 rounded up to a multiple
+        # of ATTEND_BUCKET, not over every slot under the mask (the slots past the step's are masked out anyway): one
+        # decode graph per such n, all captured before the first step (session 33). Off by default: on an H100 at
+        # SmolLM2's shapes, batch 256, 256 new tokens, a kept graph's call ran 6-8 % faster with them, but a call
+        # that captures its own graphs 5-14 % slower (four captures instead of one), and `qerl train` captures anew
+        # every step
+        self.attend_buckets = os.environ.get("QERL_ENGINE_ATTEND_BUCKETS", "0") == "1"
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
