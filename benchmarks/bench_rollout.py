@@ -84,10 +84,12 @@ def random_lora(model, rank: int) -> LoRA:
 def time_engine(model, batch, p_len, new, vocab, graph=True, lora_rank=0, batch_lora=True, lora_kernels=True,
                 sigma=0.0, noise_scope="batch", fused_shrink=True, fused_sampler=True, lora_in_kernel=True,
                 decode_attn=None, silu_in_kernel=None, rope_in_attn=None, silu_lora_in_kernel=None,
-                keep_graph=True, dequant_layer=None, **engine_kw) -> dict:
+                keep_graph=True, dequant_layer=None, attend_buckets=None, **engine_kw) -> dict:
     eng = Engine(model, "cuda", cuda_graph=graph, **engine_kw)
     if dequant_layer is not None:  # (None: the engine's default)
         eng.dequant_layer = dequant_layer
+    if attend_buckets is not None:  # (None: the engine's default)
+        eng.attend_buckets = attend_buckets
     # keep_graph (the engine's default since session 25): the timed call, of the warm-up's shapes, replays the
     # warm-up's decode graph; False: it captures its own (two warm-up steps + a capture inside its decode time)
     eng.keep_graph = keep_graph
@@ -172,48 +174,62 @@ def correctness(model, tok_prompts: list[list[int]], eos: int) -> dict:
             "bf16_logprob_gap_max": float(gap.max()), "bf16_logprob_gap_mean": float(gap.mean())}
 
 
-def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lora_rank: int = 0,
-                   decode_attn=None, dequant_layer=None) -> dict:
-    """Where a decode step's GPU time goes: torch.profiler over an eager generate (same kernels as the graph),
-    kernels grouped by name, divided by the decode steps; plus the CUDA-graph step time for comparison.
-    ``lora_rank``: with an adapter of that rank on every projection (the training case). ``decode_attn``,
-    ``dequant_layer``: the engines' settings of those (None: their default)."""
+def _engine_with(model, graph: bool, lora, settings: dict) -> Engine:
+    """An engine on ``model`` with the adapter ``lora`` and the attributes of ``settings`` that are not None."""
+    eng = Engine(model, "cuda", cuda_graph=graph)
+    eng.set_adapter(lora)
+    for name, value in settings.items():
+        if value is not None:
+            setattr(eng, name, value)
+    return eng
+
+
+def _kernel_times(eng: Engine, ps, new: int) -> tuple[dict, dict]:
+    """GPU time and launches per kernel name of one profiled generate of ``new`` tokens, and its timings."""
     from torch.profiler import ProfilerActivity, profile
 
-    ps = prompts(batch, p_len, vocab)
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
-    lora = random_lora(model, lora_rank) if lora_rank else None
-    eager = Engine(model, "cuda", cuda_graph=False)
-    eager.set_adapter(lora)
-    if decode_attn is not None:
-        eager.decode_attn = decode_attn
-    if dequant_layer is not None:
-        eager.dequant_layer = dequant_layer
-    eager.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        b = eager.generate(ps, 1, cfg, 1, set(), 0)
+        b = eng.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=new), 1, set(), 0)
         torch.cuda.synchronize()
     kernels = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if e.device_type == torch.autograd.DeviceType.CUDA and t:
             kernels[e.key] = {"us_total": t, "calls": e.count}
-    steps = b.timings["decode_steps"]
+    return kernels, b.timings
+
+
+def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lora_rank: int = 0,
+                   decode_attn=None, dequant_layer=None, attend_buckets=None) -> dict:
+    """Where a decode step's GPU time goes: torch.profiler over an eager generate of ``new`` tokens (same kernels as
+    the graph) minus one of 4 tokens (the prefill and first steps), kernels grouped by name, divided by the decode
+    steps between the two (session 33: the prefill's kernels are no longer in the per-step figures); plus the
+    CUDA-graph step time over ``new`` tokens for comparison. ``lora_rank``: with an adapter of that rank on every
+    projection (the training case). ``decode_attn``, ``dequant_layer``, ``attend_buckets``: the engines' settings
+    of those (None: their default)."""
+    ps = prompts(batch, p_len, vocab)
+    lora = random_lora(model, lora_rank) if lora_rank else None
+    settings = {"decode_attn": decode_attn, "dequant_layer": dequant_layer, "attend_buckets": attend_buckets}
+    eager = _engine_with(model, False, lora, settings)
+    eager.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
+    torch.cuda.synchronize()
+    long_k, long_t = _kernel_times(eager, ps, new)
+    short_k, short_t = _kernel_times(eager, ps, 4)
+    steps = long_t["decode_steps"] - short_t["decode_steps"]
+    kernels = {}
+    for name, v in long_k.items():
+        s = short_k.get(name, {"us_total": 0.0, "calls": 0})
+        if v["calls"] > s["calls"]:
+            kernels[name] = {"us_total": v["us_total"] - s["us_total"], "calls": v["calls"] - s["calls"]}
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us_total"])[:25]
     total = sum(v["us_total"] for v in kernels.values())
-    graph = Engine(model, "cuda", cuda_graph=True)
-    graph.set_adapter(lora)
-    if decode_attn is not None:
-        graph.decode_attn = decode_attn
-    if dequant_layer is not None:
-        graph.dequant_layer = dequant_layer
-    graph.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=4), 0, set(), 0)
-    g = graph.generate(ps, 1, cfg, 1, set(), 0)
-    out = {"batch": batch, "prompt": p_len, "new_tokens": new, "lora_rank": lora_rank, "decode_attn": decode_attn,
-           "dequant_layer": dequant_layer, "pdl": _pdl_on(),
-           "gpu_kernel_us_total_incl_prefill": total, "kernel_launches": sum(v["calls"] for v in kernels.values()),
-           "eager_decode_ms_per_step": 1e3 * b.timings["decode_s"] / steps,
+    graph = _engine_with(model, True, lora, settings)
+    graph.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=new), 0, set(), 0)
+    g = graph.generate(ps, 1, SamplingConfig(temperature=1.0, max_new_tokens=new), 1, set(), 0)
+    out = {"batch": batch, "prompt": p_len, "new_tokens": new, "lora_rank": lora_rank, **settings, "pdl": _pdl_on(),
+           "decode_steps_profiled": steps, "gpu_kernel_us_decode_steps": total,
+           "kernel_launches": sum(v["calls"] for v in kernels.values()),
+           "eager_decode_ms_per_step": 1e3 * (long_t["decode_s"] - short_t["decode_s"]) / steps,
            "graph_decode_ms_per_step": 1e3 * g.timings["decode_s"] / g.timings["decode_steps"],
            "top_kernels": [{"name": k[:120], **v, "us_per_step": v["us_total"] / steps} for k, v in top]}
     print(f"decode profile b{batch} lora rank {lora_rank}: eager {out['eager_decode_ms_per_step']:.2f} ms/step, graph "
@@ -231,8 +247,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="profile the 7B-shape NVFP4 decode step at batch 8 (with --lora-only: with the adapter) and, "
                          "unless --skip-smollm2, the SmolLM2 decode step at batch 256 in bf16 and NVFP4 (without "
-                         "programmatic dependent launch), with NVFP4's per-layer dequantize timed against one launch "
-                         "per projection")
+                         "programmatic dependent launch), with attention over slot buckets (opt-in) timed against "
+                         "the whole cache's, and NVFP4's per-layer dequantize against one launch per projection")
     ap.add_argument("--lora-only", action="store_true",
                     help="7B shapes at batch 8 only: each engine without and with a rank-32 adapter on every "
                          "projection (NVFP4 also with the LoRA terms in cuBLAS matmuls and per member)")
@@ -686,16 +702,24 @@ def _pdl_on() -> bool:
     return bool(kernel.settings().get("pdl", True))
 
 
-def _smollm2_dequant_arm(model, rows, save) -> None:
-    """The packed SmolLM2 shapes at batch 256 (M = 256: every projection on the dequantize + cuBLAS path): a
-    layer's four projections dequantized by one launch (the engine's default since session 33) against one launch
-    per projection (``dequant_layer=False``, sessions 31-32: 120 dequantize launches per step, 319 us of the 2.07 ms
-    NVFP4 step on an H100), interleaved three times. (Session 32's arms, our attention kernel past one wave and the
-    tiled tensor-core kernel at M = 256, were slower on the H100 and are gone.)"""
+def _smollm2_arms(model, engine: str, rows, save) -> None:
+    """The SmolLM2 shapes at batch 256, interleaved three times: the default engine (decode steps' SDPA over the whole
+    cache under the mask) against attention over 64-slot buckets of it (``attend_buckets=True``, opt-in since
+    session 33: on an H100 6-8 % faster with a kept graph), for bf16 both also with a capture per call
+    (``keep_graph=False``: a one-off rollout pays the bucket graphs' warm-ups and captures; 5-14 % slower with
+    buckets there), and for the packed model against one dequantize launch per projection (``dequant_layer=False``;
+    the per-layer launch measured 3-8 % faster in session 33). (Session 32's arms, our attention kernel past one
+    wave and the tiled tensor-core kernel at M = 256, were slower and are gone.)"""
+    arms = [("", {}), (" attend-buckets", {"attend_buckets": True})]
+    if engine == "ours-nvfp4":
+        arms.append((" per-projection-dequant", {"dequant_layer": False}))
+    else:  # a call that captures its own graphs (one per bucket: their warm-ups and captures inside its time)
+        arms += [(" capture-per-call", {"keep_graph": False}),
+                 (" attend-buckets capture-per-call", {"attend_buckets": True, "keep_graph": False})]
     for _ in range(3):
-        for name, on in (("", None), (" per-projection-dequant", False)):
-            r = time_engine(model, 256, 128, 256, 49152, dequant_layer=on)
-            rows.append({"model": "SmolLM2-135M", "engine": "ours-nvfp4" + name, "batch": 256, **r})
+        for name, kw in arms:
+            r = time_engine(model, 256, 128, 256, 49152, **kw)
+            rows.append({"model": "SmolLM2-135M", "engine": engine + name, "batch": 256, **r})
             save()
 
 
@@ -712,8 +736,9 @@ def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
         save()
     if profile:  # (session 31: at batch 256 our step is 2.5 ms bf16 against HF's 14.7, short of 10x; session 33:
         # without programmatic dependent launch, so that each kernel's time is its own, not its wait on the one before)
+        _smollm2_arms(base, "ours-bf16", rows, save)
         _profiled(result, "smollm2_bf16_decode_profile_b256_nopdl",
-                  lambda: without_pdl(lambda: profile_decode(base, 256, 128, 49152)), save)
+                  lambda: without_pdl(lambda: profile_decode(base, 256, 128, 49152, new=256)), save)
     nv = pack_model_inplace(base)
     del base
     gc.collect()
@@ -735,11 +760,12 @@ def smollm2_part(base, tok, result, rows, save, profile: bool = False) -> None:
         rows.append({"model": "SmolLM2-135M", "engine": "ours-nvfp4", "batch": batch, **r})
         save()
     if profile:
-        _smollm2_dequant_arm(nv, rows, save)
+        _smollm2_arms(nv, "ours-nvfp4", rows, save)
         _profiled(result, "smollm2_nvfp4_decode_profile_b256_nopdl",
-                  lambda: without_pdl(lambda: profile_decode(nv, 256, 128, 49152)), save)
-        _profiled(result, "smollm2_nvfp4_decode_profile_b256_nopdl_per_projection_dequant",
-                  lambda: without_pdl(lambda: profile_decode(nv, 256, 128, 49152, dequant_layer=False)), save)
+                  lambda: without_pdl(lambda: profile_decode(nv, 256, 128, 49152, new=256)), save)
+        _profiled(result, "smollm2_nvfp4_decode_profile_b256_nopdl_attend_buckets",
+                  lambda: without_pdl(lambda: profile_decode(nv, 256, 128, 49152, new=256, attend_buckets=True)),
+                  save)
     result["smollm2_weight_bytes"] = weight_bytes(nv)
     del nv
     gc.collect()

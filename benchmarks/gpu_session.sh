@@ -163,6 +163,11 @@
 #   76                             session 31 (run in session 32 on an H100): the default build, the SmolLM2 rows with
 #                                  their batch-256 decode steps profiled (bench_rollout.py --profile --skip-7b, then
 #                                  with session 32's attention and tc256 arms, since replaced)
+#   78                             session 33 (ran on an H100, buckets then on by default; opt-in since): the default
+#                                  build, the engine's, decode attention's and train's GPU test files and the
+#                                  dequantize_many test (attention over slot buckets), then bench_rollout.py --profile
+#                                  --skip-7b (SmolLM2 rows; at batch 256 slot buckets against the whole cache, NVFP4
+#                                  per-layer dequantize against per projection; decode-only profiles, no PDL)
 #   77                             session 33: the default build, the per-layer dequantize's GPU tests, then
 #                                  bench_rollout.py --profile --skip-7b (SmolLM2 rows; at batch 256 NVFP4 per-layer
 #                                  dequantize against one launch per projection; profiles without PDL)
@@ -796,6 +801,24 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   grep -E "nvfp4_tc_kernel|nvfp4_wg_kernel|Duration|Throughput|Pipe|Stall|Issued Warp|Eligible|Active Warps|Registers|Achieved Occ|L2 Hit|Mem Busy|Max Bandwidth|One or More|No Eligible|Executed Ipc|Bank" \
     "$OUT/ncu_tiled.txt" | cut -c1-160 | head -n 150
   stamp 65 "ncu done"
+  ;;
+78)
+  # session 33: the default build, every test of tests/test_engine_gpu.py, test_decode_attn_gpu.py and test_train_gpu.py (the
+  # decode steps' attention over buckets of the cache's slots: graph per bucket, eager, kept, policy;
+  # fused.decode_attn_takes against the launcher) and the dequantize_many test, then bench_rollout.py --profile
+  # --skip-7b: the SmolLM2 rows, at batch 256 each engine's default against attention over the whole cache (and
+  # NVFP4 against one dequantize launch per projection), interleaved three times, and the decode-only profiles of
+  # the 256-token rollout without PDL, for at most T78 (default 560) seconds
+  sm90_start
+  build; stamp 78 "build done"
+  COLUMNS=200 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_engine_gpu.py \
+    tests/test_decode_attn_gpu.py tests/test_train_gpu.py tests/test_kernel.py -k "not test_kernel or dequantize_many" \
+    > "$OUT/gpu_tests_buckets.log" 2>&1; tail -n 12 "$OUT/gpu_tests_buckets.log"
+  stamp 78 "GPU tests done"
+  COLUMNS=200 timeout $(( ${T78:-560} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
+    --skip-7b --json "$OUT/rollout_smollm2_buckets.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_buckets.log" \
+    | grep -v '^{' | grep -v '━\|──'
+  stamp 78 "rollouts and profiles done"
   ;;
 77)
   # session 33: the default build, the GPU tests of the per-layer dequantize (kernel.dequantize_many bit-exact with

@@ -1094,15 +1094,54 @@ static bool attn_bf16(const at::Tensor& t, int dev) {
          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+// QERL_ATTN_CLUSTER: decode_attn's clusters on unless it is 0 (read once)
+static bool attn_cluster_env() {
+  static const bool on = [] {
+    const char* e = std::getenv("QERL_ATTN_CLUSTER");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
+// the splits of a decode_attn launch over `pairs` (row, KV head) pairs of S slots of head dim D on device dev
+// (splits_req > 0: asked for; cluster_ok: splits may be added in a cluster); 0 where the slots need more than
+// kAttnMaxSplits
+static int64_t attn_splits(int dev, int64_t pairs, int64_t S, int64_t D, int64_t splits_req, bool cluster_ok) {
+  const int64_t max_chunk = D == 128 ? AttnCfg<128>::kMaxChunk : AttnCfg<64>::kMaxChunk;
+  const int64_t need = (S + max_chunk - 1) / max_chunk;  // splits that keep every block's slots in its buffers
+  if (need > kAttnMaxSplits) return 0;
+  // about two blocks per SM, at least 32 slots each; at most a cluster's worth where the buffers allow
+  int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);
+  if (cluster_ok && need <= kAttnMaxCluster && pairs * kAttnMaxCluster <= attn_wave(dev, D))
+    want = std::min<int64_t>(want, kAttnMaxCluster);
+  return std::min<int64_t>(std::max<int64_t>({need, splits_req > 0 ? splits_req : want, int64_t(1)}), kAttnMaxSplits);
+}
+
+// whether decode_attn (splits and clusters chosen by the launcher, QERL_ATTN_CLUSTER as set) takes a step of B rows
+// of H query heads over caches [B, KV, S, D] on device dev, by their shapes alone (the tensors' own checks aside):
+// what decode_attn_run decides before it launches. The engine asks it before a rollout's decode steps (session 33:
+// steps the kernel declines attend in SDPA over a bucket of the cache's slots).
+bool decode_attn_takes(int64_t B, int64_t H, int64_t KV, int64_t S, int64_t D, int64_t dev, bool one_wave_only) {
+  if ((D != 64 && D != 128) || KV < 1 || H % KV != 0 || H / KV > kAttnMaxGroup || B < 1 || B > 65535 ||
+      KV > 65535 || B * KV > kAttnMaxPairs || S < 1)
+    return false;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  const int d = static_cast<int>(dev);
+  const int64_t pairs = B * KV;
+  const bool cluster_ok = attn_cluster_env() && qerl_pdl::device_supports(d);
+  const int64_t splits = attn_splits(d, pairs, S, D, 0, cluster_ok);
+  if (splits < 1) return false;
+  const bool one_wave = pairs * splits <= attn_wave(d, D);
+  if (one_wave_only && !one_wave) return false;
+  // (past one wave no cluster: the workspace must fit; within one, a workspace of so few blocks always does)
+  return one_wave || pairs * splits * kAttnRecord <= (int64_t(1) << 28);
+}
+
 // decode_attn and rope_decode_attn past their own inputs' checks: B rows of H query heads, q (null where rope
 // makes it)
 static bool decode_attn_run(const bf16* q, int64_t B, int64_t H, at::Tensor& kc, at::Tensor& vc,
                             const at::Tensor& key_mask, const at::Tensor& slot, at::Tensor& out, double scale,
                             int64_t splits_req, int64_t cluster_req, bool one_wave_only, const AttnRope& rope) {
-  static const bool cluster_env = [] {
-    const char* e = std::getenv("QERL_ATTN_CLUSTER");
-    return !(e && e[0] == '0');
-  }();
   const int dev = kc.get_device();
   if (!attn_bf16(kc, dev) || !attn_bf16(vc, dev) || !attn_bf16(out, dev) || kc.dim() != 4 || kc.sizes() != vc.sizes())
     return false;
@@ -1114,19 +1153,12 @@ static bool decode_attn_run(const bf16* q, int64_t B, int64_t H, at::Tensor& kc,
       key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) < S || key_mask.stride(1) != 1 ||
       !slot.is_cuda() || slot.get_device() != dev || slot.scalar_type() != at::kLong || slot.numel() != 1)
     return false;
-  const int64_t max_chunk = D == 128 ? AttnCfg<128>::kMaxChunk : AttnCfg<64>::kMaxChunk;
-  const int64_t need = (S + max_chunk - 1) / max_chunk;  // splits that keep every block's slots in its buffers
-  if (need > kAttnMaxSplits) return false;
   const c10::cuda::CUDAGuard guard(kc.device());
   const int64_t pairs = B * KV;
   // (device_supports: this build's sm_90 code runs on the device, so the cluster instructions are real)
-  const bool cluster_ok = (cluster_req < 0 ? cluster_env : cluster_req > 0) && qerl_pdl::device_supports(dev);
-  // about two blocks per SM, at least 32 slots each; at most a cluster's worth where the buffers allow
-  int64_t want = std::min<int64_t>((2 * sm_count(dev) + pairs - 1) / pairs, (S + 31) / 32);
-  if (cluster_ok && need <= kAttnMaxCluster && pairs * kAttnMaxCluster <= attn_wave(dev, D))
-    want = std::min<int64_t>(want, kAttnMaxCluster);
-  const int64_t splits =
-      std::min<int64_t>(std::max<int64_t>({need, splits_req > 0 ? splits_req : want, int64_t(1)}), kAttnMaxSplits);
+  const bool cluster_ok = (cluster_req < 0 ? attn_cluster_env() : cluster_req > 0) && qerl_pdl::device_supports(dev);
+  const int64_t splits = attn_splits(dev, pairs, S, D, splits_req, cluster_ok);
+  if (splits < 1) return false;
   const bool one_wave = pairs * splits <= attn_wave(dev, D);
   if (one_wave_only && !one_wave) return false;
   const bool cluster = cluster_ok && one_wave && splits > 1 && splits <= kAttnMaxCluster &&
@@ -1266,6 +1298,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("y"), py::arg("cos"), py::arg("sin"), py::arg("n_heads"), py::arg("kc"), py::arg("vc"),
         py::arg("key_mask"), py::arg("slot"), py::arg("out"), py::arg("scale"), py::arg("splits") = 0,
         py::arg("cluster") = -1, py::arg("one_wave_only") = false);
+  m.def("decode_attn_takes", &qerl_fused::decode_attn_takes,
+        "whether decode_attn takes a step of B rows of H query heads over [B, KV, S, D] caches on a device, by shapes",
+        py::arg("B"), py::arg("H"), py::arg("KV"), py::arg("S"), py::arg("D"), py::arg("device"),
+        py::arg("one_wave_only") = false);
   m.def("decode_attn_last_splits", [] { return qerl_fused::g_attn_last; },
         "the last decode_attn launch's splits, negative when they were added in a thread-block cluster");
   m.def("set_attn_late_trigger", [](bool on) { qerl_fused::g_attn_late_trigger = on ? 1 : 0; },

@@ -286,6 +286,24 @@ def test_engine_decode_attn_same_policy(model64, monkeypatch, mode):
     assert eager_declining._step_mask is None  # (not kept past its forward)
 
 
+@pytest.mark.parametrize("b,h,kv,d,s_len", [(8, 28, 4, 128, 768), (64, 28, 4, 128, 768), (256, 9, 3, 64, 384),
+                                             (3, 9, 3, 64, 384), (2, 16, 2, 128, 32768), (2, 16, 2, 128, 40000),
+                                             (4, 8, 2, 32, 64), (4, 36, 2, 64, 64)])
+def test_decode_attn_takes_is_the_launchers_decision(b, h, kv, d, s_len):
+    """fused.decode_attn_takes (the engine asks it before a rollout's decode steps) says, from the shapes alone,
+    what decode_attn decides on the tensors: with and without one_wave_only, on shapes it takes in one wave, past
+    one wave (SmolLM2 at batch 256), past its slots, and at head dims or groups it never takes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, h, 1, d, device="cuda", generator=g).bfloat16()
+    kc = torch.randn(b, kv, s_len, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn_like(kc)
+    key_mask = torch.ones(b, s_len, dtype=torch.bool, device="cuda")
+    slot = torch.tensor([s_len - 1], device="cuda")
+    for wave in (False, True):
+        ran = fused.decode_attn(q, kc, vc, key_mask, slot, one_wave_only=wave) is not None
+        assert fused.decode_attn_takes(b, h, kv, s_len, d, kc.device, one_wave_only=wave) == ran, (wave, ran)
+
+
 def test_rope_table_rows_are_the_rotary_modules_bits(model64):
     """The engine's cos / sin table (made once per rollout, gathered per decode step) holds, at every position,
     the bits the model's rotary module gives for it; a forward with a cache longer than the table uses the module."""

@@ -674,6 +674,42 @@ def test_layer_dense_plumbing_on_cpu(model, monkeypatch):
     assert calls == [4]
 
 
+def test_attend_buckets_plumbing_on_cpu(model, monkeypatch):
+    """The attended slots of a decode step (engine._attended): its slot + 1 rounded up to the bucket, at most the
+    cache, None without a bucket; Engine._attend_bucket gives one only on CUDA with attend_buckets on (opt-in), a cache
+    longer than one bucket, and steps that fused.decode_attn does not take (asked with the step's shapes and
+    "wave" as one_wave_only)."""
+    from qerl_cli import engine as engine_mod
+    from qerl_cli import fused
+
+    att = engine_mod._attended
+    assert [att(s, 64, 384) for s in (0, 62, 63, 64, 127, 128, 319, 320, 383)] == [64, 64, 64, 128, 128, 192, 320,
+                                                                                  384, 384]
+    assert att(300, 64, 310) == 310 and att(5, None, 384) is None
+    eng = Engine(model)
+    assert eng.attend_buckets is False  # (opt-in: QERL_ENGINE_ATTEND_BUCKETS=1)
+    eng.attend_buckets = True
+    assert eng._attend_bucket(256, 384) is None  # (CPU: every step over the whole cache)
+    eng.device, eng._kernels = torch.device("cuda"), True
+    asked = []
+    takes = {"v": False}
+    monkeypatch.setattr(fused, "decode_attn_takes", lambda *a, **k: asked.append((a, k)) or takes["v"])
+    monkeypatch.setattr(eng, "_decode_attn_ok", lambda: True)
+    assert eng._attend_bucket(256, 384) == engine_mod.ATTEND_BUCKET
+    assert asked == [((256, eng.n_heads, eng.n_kv, 384, eng.head_dim, eng.device), {"one_wave_only": True})]
+    takes["v"] = True
+    assert eng._attend_bucket(8, 384) is None  # (the kernel attends)
+    eng.decode_attn = "auto"
+    eng.lora = LoRA({}, 1.0)  # with an adapter "auto" is SDPA: asked without one wave only
+    eng._attend_bucket(8, 384)
+    assert asked[-1][1] == {"one_wave_only": False}
+    monkeypatch.setattr(eng, "_decode_attn_ok", lambda: False)
+    assert eng._attend_bucket(8, 384) == engine_mod.ATTEND_BUCKET and len(asked) == 3
+    assert eng._attend_bucket(8, engine_mod.ATTEND_BUCKET) is None  # (one bucket: nothing to save)
+    eng.attend_buckets = False
+    assert eng._attend_bucket(8, 384) is None
+
+
 def test_fused_lora_shrink_plumbing_on_cpu(model, monkeypatch):
     """The fused-kernel path with an adapter, the kernels replaced by their torch definitions (fp32, CPU): the
     q/k/v and gate/up shrinks made by the norm, the down shrink by SiLU·mul, the expands after the base. Each fake

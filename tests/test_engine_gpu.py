@@ -497,3 +497,60 @@ def test_dequant_layer_same_bits_as_one_launch_per_projection(monkeypatch):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
         assert torch.equal(lp_a, lp_b)
+
+
+def test_attend_buckets_graphs_eager_kept_and_policy(gpu_model, monkeypatch):
+    """With attend_buckets on (opt-in), decode steps in SDPA (this model's head dim is not the attention kernel's)
+    attend over buckets of the cache's slots (ATTEND_BUCKET 16 here, a 64-slot cache): one graph per bucket from the
+    first step's on, captured before the first step, each step over the smallest bucket that holds its slot; the
+    eager engine attends over the same
+    buckets and gives the same bits; a kept call whose shorter prompts need a lower bucket captures it alone and
+    equals a fresh engine's capture; and the policy is the one over the whole cache (greedy tokens agree on the
+    first steps, behaviour log-probs match the teacher-forced forward)."""
+    from qerl_cli import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "ATTEND_BUCKET", 16)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=40)
+    longer = [p + [5] * (20 - len(p)) for p in PROMPTS]  # 20 prompt slots: the first step writes slot 20
+    attended: list = []
+
+    def recording(eng):
+        real = eng.forward
+
+        def forward(*a, **k):
+            if k.get("norms") is not None:  # (the decoder's forwards: warm-ups, captures, eager steps)
+                attended.append(k.get("attend"))
+            return real(*a, **k)
+        monkeypatch.setattr(eng, "forward", forward)
+        return eng
+
+    def bucketed(graph: bool = True) -> Engine:
+        eng = Engine(gpu_model, "cuda", cuda_graph=graph)
+        eng.attend_buckets = True  # (opt-in)
+        return eng
+
+    eng = recording(bucketed())
+    assert eng._attend_bucket(6, 64) == 16
+    a = eng.generate(longer, 2, cfg, 7, set(), 0)
+    assert a.timings["cache_slots"] == 64 and a.timings["decode_state"] == "new"
+    assert sorted(eng._graph.graphs) == [32, 48, 64]
+    # two warm-ups before the first capture, one before each other capture
+    assert attended == [32, 32, 32, 48, 48, 64, 64]
+    attended.clear()
+    eager = recording(bucketed(graph=False)).generate(longer, 2, cfg, 7, set(), 0)
+    steps = a.timings["decode_steps"]
+    assert attended == [engine_mod._attended(20 + j, 16, 64) for j in range(steps - 1)]
+    assert torch.equal(eager.completion_ids, a.completion_ids)
+    assert torch.equal(eager.behaviour_logprobs, a.behaviour_logprobs)
+    attended.clear()
+    again = eng.generate(PROMPTS, 2, cfg, 8, set(), 0)  # 12 prompt slots: bucket 16 too
+    assert again.timings["decode_state"] == "kept" and sorted(eng._graph.graphs) == [16, 32, 48, 64]
+    assert attended == [16, 16]  # one warm-up (the graph's lazy inits are done), the capture
+    ref = bucketed().generate(PROMPTS, 2, cfg, 8, set(), 0)
+    assert torch.equal(again.completion_ids, ref.completion_ids)
+    assert torch.equal(again.behaviour_logprobs, ref.behaviour_logprobs)
+    whole = Engine(gpu_model, "cuda")  # (the default: every step over the whole cache, one graph)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=40)
+    off = whole.generate(longer, 2, greedy, 0, set(), 0)
+    assert sorted(whole._graph.graphs, key=str) == [None]
+    _same_policy(off, bucketed().generate(longer, 2, greedy, 0, set(), 0), bucketed())

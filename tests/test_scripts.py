@@ -219,11 +219,12 @@ def test_bench_rollout_table_shows_no_prefill_split_for_hf(monkeypatch, capsys):
 
 
 def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp_path):
-    """--profile also profiles SmolLM2's decode step at batch 256 (session 31: 2.5 ms bf16 against HF's 14.7, short
-    of the 10x target), the bf16 model before it is packed and the NVFP4 one after, with programmatic dependent
-    launch off (session 33) and restored after; the NVFP4 one also with one dequantize launch per projection; a
-    profile that fails is recorded as its error and the throughput rows are kept. At batch 256 the NVFP4 arm
-    alternates the per-layer dequantize (the default) with one per projection, interleaved three times."""
+    """--profile also profiles SmolLM2's decode step at batch 256 over its 256 new tokens (session 31: 2.5 ms bf16
+    against HF's 14.7, short of the 10x target), the bf16 model before it is packed and the NVFP4 one after, with
+    programmatic dependent launch off (session 33) and restored after; the NVFP4 one also with attention over slot
+    buckets; a profile that fails is recorded as its error and the throughput rows are kept. At batch 256 each
+    engine's arm alternates the default with attention over slot buckets, the bf16 one both also with a capture
+    per call, the NVFP4 one with one dequantize launch per projection, interleaved three times."""
     import json
     import sys
 
@@ -237,13 +238,14 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
 
     def fake_profile(model, batch, p_len, vocab, **kw):
         profiled.append((model.config.model_type, batch, any(isinstance(m, PackedLinear) for m in model.modules()),
-                         kw.get("dequant_layer"), pdl["on"]))
+                         kw.get("new"), kw.get("attend_buckets"), pdl["on"]))
         if len(profiled) == 2:
             raise RuntimeError("profiler broke")
         return {"batch": batch}
 
-    def fake_time(model, batch, *a, dequant_layer=None, **k):
-        timed.append((batch, any(isinstance(m, PackedLinear) for m in model.modules()), dequant_layer))
+    def fake_time(model, batch, *a, dequant_layer=None, attend_buckets=None, keep_graph=True, **k):
+        timed.append((batch, any(isinstance(m, PackedLinear) for m in model.modules()), dequant_layer, attend_buckets)
+                     + (() if keep_graph else ("capture",)))
         return row | {"prefill_s": 0.1, "decode_s": 0.9, "decode_state": "new", "decode_setup_s": 0.0}
 
     row = {"tokens": 1, "wall_s": 1.0, "tokens_per_s": 1.0, "peak_alloc_gib": 0.0}
@@ -256,12 +258,16 @@ def test_bench_rollout_profiles_the_smollm2_step_of_each_engine(monkeypatch, tmp
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
     monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--profile", "--skip-7b", "--json", str(tmp_path / "r.json")])
     br.main()
-    assert profiled == [("llama", 256, False, None, False), ("llama", 256, True, None, False),
-                        ("llama", 256, True, False, False)] and pdl["on"]
-    assert timed == ([(64, False, None), (256, False, None), (64, True, None), (256, True, None)]
-                     + [(256, True, None), (256, True, False)] * 3)
+    assert profiled == [("llama", 256, False, 256, None, False), ("llama", 256, True, 256, None, False),
+                        ("llama", 256, True, 256, True, False)] and pdl["on"]
+    bf16_arm = [(256, False, None, None), (256, False, None, True), (256, False, None, None, "capture"),
+                (256, False, None, True, "capture")]
+    nvfp4_arm = [(256, True, None, None), (256, True, None, True), (256, True, False, None)]
+    assert timed == ([(64, False, None, None), (256, False, None, None)] + bf16_arm * 3
+                     + [(64, True, None, None), (256, True, None, None)] + nvfp4_arm * 3)
     out = json.loads((tmp_path / "r.json").read_text())
     assert out["smollm2_bf16_decode_profile_b256_nopdl"] == {"batch": 256}
-    assert out["smollm2_nvfp4_decode_profile_b256_nopdl_per_projection_dequant"] == {"batch": 256}
-    assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256_nopdl"]["error"] and len(out["runs"]) == 12
-    assert [r["engine"] for r in out["runs"][-2:]] == ["ours-nvfp4", "ours-nvfp4 per-projection-dequant"]
+    assert out["smollm2_nvfp4_decode_profile_b256_nopdl_attend_buckets"] == {"batch": 256}
+    assert "profiler broke" in out["smollm2_nvfp4_decode_profile_b256_nopdl"]["error"] and len(out["runs"]) == 27
+    assert [r["engine"] for r in out["runs"][-3:]] == ["ours-nvfp4", "ours-nvfp4 attend-buckets",
+                                                       "ours-nvfp4 per-projection-dequant"]

@@ -19,7 +19,13 @@ the adapter per call, see ``_lora_terms``); differentiable forwards compute them
 Fused kernels (CUDA, bf16, no grad; :mod:`qerl_cli.fused`): residual add + RMSNorm, rotary + KV-cache write,
 SiLU·mul, each one kernel, rounding where torch's ops round; in decode steps the rotary and the cache write ride
 in the decode attention kernel (``fused.rope_decode_attn``) and SiLU·mul in the gate/up NVFP4 kernel
-(``kernel.linear_silu``, with the group's LoRA term where an adapter is on).
+(``kernel.linear_silu``, with the group's LoRA term where an adapter is on). Where a layer's packed products take
+the dequantize + cuBLAS path (batched steps past the small-M kernels, prefills), one launch dequantizes all of
+its projections (``Engine.dequant_layer``).
+
+Opt-in (``Engine.attend_buckets``): decode steps that attend in SDPA (an adapter, or batches past the decode
+attention kernel's one wave) attend over the cache's first slots up to a bucket of ``ATTEND_BUCKET`` above the
+step's own, not over the whole cache under a mask: one decode graph per bucket.
 
 Behaviour log-probs: for each sampled token, the log-prob under the distribution it was **actually sampled
 from**: logits / temperature, then top-k and top-p truncation, renormalized (``behaviour_logprobs``). The
@@ -56,6 +62,9 @@ SLOT_BUCKET = 32
 # the small-M range, prefills, log-prob passes) dequantize a layer's projections in one launch where they hold at
 # most this many weights together (a bf16 copy of 128 MiB at most; ``Engine.dequant_layer``).
 DEQUANT_LAYER_MAX_WEIGHTS = 2 ** 26
+# Decode steps that attend in SDPA attend over the cache's first n slots, n their slot + 1 rounded up to a multiple
+# of this (``Engine.attend_buckets``).
+ATTEND_BUCKET = 64
 # Teacher-forced log-probs project at most this many logits at a time (fp32: 1 GiB).
 LOGIT_CHUNK_ELEMENTS = 2 ** 28
 
@@ -462,8 +471,15 @@ class _DecodeGraph:
     tok: torch.Tensor | None = None
     pos: torch.Tensor | None = None
     at: torch.Tensor | None = None
-    graph: object = None
-    out: torch.Tensor | None = None
+    # attended slots (None: the whole cache, see Engine._attend_bucket) -> (graph, its logits); one memory pool
+    graphs: dict | None = None
+    pool: object = None
+
+
+def _attended(slot: int, bucket: int | None, slots: int) -> int | None:
+    """The slots a decode step writing slot ``slot`` attends over: ``slot + 1`` rounded up to a multiple of
+    ``bucket``, at most ``slots``; None (the whole cache) without a bucket."""
+    return None if bucket is None else min(slots, -(-(slot + 1) // bucket) * bucket)
 
 
 def _snap_signature(t) -> object:
@@ -615,6 +631,15 @@ class Engine:
         # QERL_ENGINE_DEQUANT_LAYER=0 (or False) keeps one per projection
         self.dequant_layer = os.environ.get("QERL_ENGINE_DEQUANT_LAYER", "1") != "0"
         self._dense_w: dict[int, torch.Tensor] | None = None  # id(packed base) -> its bf16 copy, in _layer_kernels
+        # opt-in (QERL_ENGINE_ATTEND_BUCKETS=1 or True): on CUDA, decode steps that attend in SDPA (with an adapter
+        # under decode_attn "auto", at shapes our kernel does not take, or past the one wave that "wave" allows, e.g.
+        # SmolLM2 at batch 256) attend over the cache's first n slots, n the step's slot + 1 rounded up to a multiple
+        # of ATTEND_BUCKET, not over every slot under the mask (the slots past the step's are masked out anyway): one
+        # decode graph per such n, all captured before the first step (session 33). Off by default: on an H100 at
+        # SmolLM2's shapes, batch 256, 256 new tokens, a kept graph's call ran 6-8 % faster with them, but a call
+        # that captures its own graphs 5-14 % slower (four captures instead of one), and `qerl train` captures anew
+        # every step
+        self.attend_buckets = os.environ.get("QERL_ENGINE_ATTEND_BUCKETS", "0") == "1"
 
     # ---------------------------------------------------------------- adapters and noise
     def set_adapter(self, lora: LoRA | None) -> None:
@@ -1187,51 +1212,81 @@ class Engine:
             kept.pos.copy_(first_pos)
             kept.at.fill_(first_slot)
 
-        def forward():
+        bucket = self._attend_bucket(rows, slots)
+        slot = [first_slot]  # the next step's slot, on the host (the device's is kept.at)
+
+        def forward(attend: int | None):
             prev, self._lora_snap = self._lora_snap, kept.snap
             try:
                 return self.forward(kept.tok.view(-1, 1), kept.pos, kept.key_mask, kept.cache, kept.at,
-                                    norms=kept.norms)[:, -1].float()
+                                    norms=kept.norms, attend=attend)[:, -1].float()
             finally:
                 self._lora_snap = prev
 
         if not self.use_graph:
             def step(tok):
                 kept.tok.copy_(tok)
-                logits = forward()
+                logits = forward(_attended(slot[0], bucket, slots))
                 torch._foreach_add_([kept.pos, kept.at], 1)
+                slot[0] += 1
                 return logits
 
             step.tok = None
             if keep:
                 self._graph = kept
             return step, how
+        # the graphs this call's steps replay: one per bucket of attended slots from the first step's on
+        need = sorted({_attended(s, bucket, slots) for s in range(first_slot, slots)}, key=lambda n: n or 0) \
+            if bucket is not None and first_slot < slots else [None]
         if how == "new":
+            kept.graphs = {}
+        missing = [n for n in need if n not in kept.graphs]
+        if missing:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             # autocast's cast cache off: a cached cast (made by the prefill, freed when the caller leaves autocast)
             # would be read by address from a kept graph instead of being cast in it
             nocache = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                      enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-            with torch.cuda.stream(side), nocache:
-                for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
-                    forward()
-            torch.cuda.current_stream().wait_stream(side)
-            kept.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(kept.graph), nocache:
-                kept.out = forward()
-                torch._foreach_add_([kept.pos, kept.at], 1)  # the next step's position and slot
+            for n in missing:
+                with torch.cuda.stream(side), nocache:
+                    # warm-up outside the capture (lazy inits and autotuning; a new attended length's library plan)
+                    for _ in range(2 if not kept.graphs else 1):
+                        forward(n)
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=kept.pool), nocache:
+                    out = forward(n)
+                    torch._foreach_add_([kept.pos, kept.at], 1)  # the next step's position and slot
+                kept.pool = g.pool() if kept.pool is None else kept.pool  # (they never run at once: one pool)
+                kept.graphs[n] = (g, out)
         if keep:  # (only once captured: a failed capture keeps nothing)
             self._graph = kept
 
         def replay(tok):
             if tok is not kept.tok:
                 kept.tok.copy_(tok)
-            kept.graph.replay()
-            return kept.out
+            g, out = kept.graphs[_attended(slot[0], bucket, slots)]
+            g.replay()
+            slot[0] += 1
+            return out
 
         replay.tok = kept.tok
         return replay, how
+
+    def _attend_bucket(self, rows: int, slots: int) -> int | None:
+        """The bucket of attended slots (``ATTEND_BUCKET``) of the decode steps of ``rows`` rows over a cache of
+        ``slots`` slots, where they attend in SDPA on CUDA; None where each step attends over the whole cache: off
+        CUDA, ``attend_buckets`` off, a cache of at most one bucket, or steps that attend with
+        ``fused.decode_attn`` (whether it takes the shapes is decided by them alone, as the kernel's launcher
+        decides)."""
+        if not (self.attend_buckets and self.device.type == "cuda" and slots > ATTEND_BUCKET):
+            return None
+        if self._kernels and self._decode_attn_ok() and _fk.decode_attn_takes(
+                rows, self.n_heads, self.n_kv, slots, self.head_dim, self.device,
+                one_wave_only=self._decode_attn_mode() == "wave"):
+            return None
+        return ATTEND_BUCKET
 
     def sampler(self, cfg: SamplingConfig, vocab: int) -> str:
         """How decode steps draw under ``cfg`` (recorded with a rollout: the same seed gives other tokens under

@@ -10,7 +10,8 @@ The engine's no-grad CUDA forwards on bf16 use them where the shapes allow (else
   applied) and v are written into the KV cache at slots ``slot0 + t``, one kernel instead of seven;
 * ``decode_attn(q, kc, vc, key_mask, slot)`` -> one decode step's attention over the KV cache: the slots up to
   the step's whose key-mask entry is set, the G query heads of a KV head served by one read of its cache rows
-  (SDPA reads every head's cache and every slot under an additive mask);
+  (SDPA reads every head's cache and every slot under an additive mask); ``decode_attn_takes(...)`` says by the
+  shapes alone whether it takes a step;
 * ``lora_add(y, x, a, bs)`` -> ``y + bf16(x @ a^T) @ bs`` (a batched LoRA term) for decode steps of at most 16
   rows, in two small kernels instead of two cuBLAS matmuls (None where the shapes need the matmuls); the engine
   uses it for outputs up to ``LORA_KERNEL_MAX_N`` wide (``QERL_ENGINE_LORA_KERNELS=0``: never);
@@ -40,7 +41,8 @@ import torch
 
 from . import kernel
 
-__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "decode_attn", "lora_add",
+__all__ = ["available", "build_error", "add_norm", "silu_mul", "rope_kv", "decode_attn", "decode_attn_takes",
+           "lora_add",
            "add_norm_shrink", "silu_mul_shrink", "lora_expand", "lora_shrink", "sample_step", "LORA_MAX_ROWS"]
 
 MAX_WIDTH = 8192  # add_norm's widest row (8 x 4 x 256 in csrc/fused_ops.cu)
@@ -235,6 +237,19 @@ def decode_attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_mask: t
     ok = _load().decode_attn(q, kc, vc, key_mask, slot.reshape(1), out, float(d ** -0.5 if scale is None else scale),
                              int(splits), -1 if cluster is None else int(bool(cluster)), bool(one_wave_only))
     return out if ok else None
+
+
+def decode_attn_takes(rows: int, n_heads: int, n_kv: int, slots: int, head_dim: int, device: torch.device,
+                      one_wave_only: bool = False) -> bool:
+    """Whether ``decode_attn`` (its launcher's own splits and clusters) takes a decode step of ``rows`` rows of
+    ``n_heads`` query heads over caches ``[rows, n_kv, slots, head_dim]`` on CUDA ``device``, by those shapes
+    alone (``one_wave_only``: as ``decode_attn`` with it); False without the extension or off CUDA."""
+    if torch.device(device).type != "cuda" or _load() is None:
+        return False
+    index = torch.device(device).index
+    return bool(_load().decode_attn_takes(int(rows), int(n_heads), int(n_kv), int(slots), int(head_dim),
+                                          torch.cuda.current_device() if index is None else int(index),
+                                          bool(one_wave_only)))
 
 
 def rope_decode_attn(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
