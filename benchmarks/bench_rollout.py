@@ -203,7 +203,9 @@ def profile_decode(model, batch: int, p_len: int, vocab: int, new: int = 24, lor
                    decode_attn=None, dequant_layer=None, attend_buckets=None) -> dict:
     """Where a decode step's GPU time goes: torch.profiler over an eager generate of ``new`` tokens (same kernels as
     the graph) minus one of 4 tokens (the prefill and first steps), kernels grouped by name, divided by the decode
-    steps between the two (session 33: the prefill's kernels are no longer in the per-step figures); plus the
+    steps between the two (session 33: the prefill's kernels are no longer in the per-step figures; the short run's
+    cache has fewer slots, so its 3 steps attend over fewer and the long run's per-step attention comes out a few
+    microseconds high); plus the
     CUDA-graph step time over ``new`` tokens for comparison. ``lora_rank``: with an adapter of that rank on every
     projection (the training case). ``decode_attn``, ``dequant_layer``, ``attend_buckets``: the engines' settings
     of those (None: their default)."""

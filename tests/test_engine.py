@@ -672,6 +672,32 @@ def test_layer_dense_plumbing_on_cpu(model, monkeypatch):
     monkeypatch.setattr(engine_mod, "DEQUANT_LAYER_MAX_WEIGHTS", sum(w.numel() for w in dense.values()) - 1)
     assert eng._layer_dense(1, h) is None
     assert calls == [4]
+    monkeypatch.undo()
+    # a peft-like wrapper whose terms cannot be batched (merged: no snapshot entry) computes its own base: no copy
+    # of that base is made (it would never be read), while the other projections still get theirs
+    monkeypatch.setattr(kernel, "path", lambda m, n, k: kernel.BACKEND_DEQUANT)
+
+    class Merged(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer, self.lora_A, self.merged = base, torch.nn.ModuleDict(), True
+            self.in_features, self.out_features = base.in_features, base.out_features
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    m = copy.deepcopy(model)
+    for lay in m.model.layers:
+        lay.self_attn.o_proj = Merged(lay.self_attn.o_proj)
+    eng = Engine(m, fuse=True)
+    eng._nvfp4_on_cuda = True
+    o = m.model.layers[1].self_attn.o_proj
+    with torch.no_grad(), eng._lora_batched():
+        assert eng._lora_snap is not None and eng._lora_snap.get(id(o)) is None
+        dense = eng._layer_dense(1, h)
+    assert id(o.base_layer) not in dense and id(o) not in dense
+    assert set(dense) == {id(eng.fused[1]["qkv"].base), id(eng.fused[1]["gate_up"].base),
+                          id(m.model.layers[1].mlp.down_proj)}
 
 
 def test_attend_buckets_plumbing_on_cpu(model, monkeypatch):

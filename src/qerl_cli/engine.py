@@ -635,7 +635,8 @@ class Engine:
         # under decode_attn "auto", at shapes our kernel does not take, or past the one wave that "wave" allows, e.g.
         # SmolLM2 at batch 256) attend over the cache's first n slots, n the step's slot + 1 rounded up to a multiple
         # of ATTEND_BUCKET, not over every slot under the mask (the slots past the step's are masked out anyway): one
-        # decode graph per such n, all captured before the first step (session 33). Off by default: on an H100 at
+        # decode graph per such n, all captured before the first step (session 33), each with its own fp32 logits
+        # (rows x vocab x 4 bytes per bucket, kept with the graph). Off by default: on an H100 at
         # SmolLM2's shapes, batch 256, 256 new tokens, a kept graph's call ran 6-8 % faster with them, but a call
         # that captures its own graphs 5-14 % slower (four captures instead of one), and `qerl train` captures anew
         # every step
@@ -762,8 +763,10 @@ class Engine:
             parent, name = p.split(".")
             if name not in in_group:
                 m = getattr(getattr(layer, parent), name)
-                # (a peft-wrapped one reaches _base_out only through the batched terms' snapshot)
-                bases.append(_base_layer(m) if self._lora_snap is not None else m)
+                # (_linear hands _base_out the base where the snapshot has an entry for the module, else the module
+                # itself: a peft wrapper then computes its own base, and no copy would be read)
+                snap = self._lora_snap.get(id(m)) if self._lora_snap is not None else None
+                bases.append(_base_layer(m) if snap is not None else m)
         take = [b for b in bases if isinstance(b, PackedLinear)
                 and _kernel.path(rows, b.out_features, b.in_features) == _kernel.BACKEND_DEQUANT]
         if len(take) < 2 or sum(b.out_features * b.in_features for b in take) > DEQUANT_LAYER_MAX_WEIGHTS:
@@ -1166,12 +1169,13 @@ class Engine:
             return all(t is not None for t in self._lora_snap.values())
         return self.lora is None and not any(hasattr(m, "lora_A") for m in self.model.modules())
 
-    def _decoder(self, cache, key_mask: torch.Tensor, group: int, first_slot: int, first_pos: torch.Tensor
-                 ) -> tuple[object, str]:
+    def _decoder(self, cache, key_mask: torch.Tensor, group: int, first_slot: int, first_pos: torch.Tensor,
+                 steps: int | None = None) -> tuple[object, str]:
         """``(step, how)``: ``step(tokens [R]) -> logits [R, V] fp32``, the next decode step over a KV cache of
         ``R = rows of cache * group`` rows holding the prefill's ``cache`` (each row ``group`` times) and the key
         mask ``key_mask`` (prefill rows): the first call writes slot ``first_slot`` at positions ``first_pos
-        [R, 1]``, each call one slot and position further (advanced on the device, inside the graph). A CUDA
+        [R, 1]``, each call one slot and position further (advanced on the device, inside the graph), at most
+        ``steps`` calls (None: up to the cache's last slot). A CUDA
         graph on GPU (``use_graph``), else eager. ``step.tok``: the tensor the graph reads its tokens from (a
         sampler may write them there; else ``step`` copies them in), None when eager. ``how``: "new" (a new
         cache, and graph: two warm-up steps and a capture) or "kept" (those kept from an earlier call whose
@@ -1236,8 +1240,9 @@ class Engine:
                 self._graph = kept
             return step, how
         # the graphs this call's steps replay: one per bucket of attended slots from the first step's on
-        need = sorted({_attended(s, bucket, slots) for s in range(first_slot, slots)}, key=lambda n: n or 0) \
-            if bucket is not None and first_slot < slots else [None]
+        last = slots if steps is None else min(slots, first_slot + max(steps, 1))
+        need = sorted({_attended(s, bucket, slots) for s in range(first_slot, last)}, key=lambda n: n or 0) \
+            if bucket is not None and first_slot < last else [None]
         if how == "new":
             kept.graphs = {}
         missing = [n for n in need if n not in kept.graphs]
@@ -1426,7 +1431,8 @@ class Engine:
         logits = logits.float().repeat_interleave(g, 0)
         sync()
         t1 = time.perf_counter()
-        decode, graph_how = self._decoder(cache, key_mask, g, p_len, pos[:, -1:].repeat_interleave(g, 0) + 1)
+        decode, graph_how = self._decoder(cache, key_mask, g, p_len, pos[:, -1:].repeat_interleave(g, 0) + 1,
+                                          steps=t_new - 1)
         del cache  # (the decoder's cache holds it now, each row G times)
         sync()  # (a kept state's copies are device work: counted here, not in the first step)
         t_graph = time.perf_counter() - t1

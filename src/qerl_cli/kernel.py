@@ -707,7 +707,9 @@ def dequantize(qweight: torch.Tensor, global_scale: torch.Tensor, n: int, k: int
 def dequantize_many(weights: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> list[torch.Tensor]:
     """Dense bf16 ``[n, k]`` weights of several packed ones ``(qweight, global_scale, n, k)``, each bit-exact with
     :func:`dequantize`: views into one buffer, written by one kernel launch per 8 weights on CUDA (the engine's
-    batched steps dequantize a layer's projections at once, session 33)."""
+    batched steps dequantize a layer's projections at once, session 33). The blocks follow one another, so a block
+    is 256-byte aligned (as a fresh tensor is, and cuBLAS's choice of kernel for a product with it may depend on
+    that) where the blocks before it hold multiples of 128 weights, as the projections of real models do."""
     if not weights:
         return []
     q, g, ns, ks = zip(*weights)
