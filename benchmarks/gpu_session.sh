@@ -227,6 +227,15 @@ print('fused elementwise kernels available:', fused.available(), fused.build_err
 
 # the 7B-shape rollout bench at batch 8 without and with a rank-32 adapter (bench_rollout.py --lora-only), for at
 # most $1 seconds; $2: the part, for the stamp
+# bench_rollout.py --profile --skip-7b (the SmolLM2 rows, their batch-256 arms and profiles) into
+# $OUT/rollout_smollm2_$3.json and $OUT/bench_rollout_smollm2_$3.log, for what is left of $2 seconds since the part
+# began; $1: the part, for the stamp
+smollm2_profile() {
+  COLUMNS=200 timeout $(( $2 - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile --skip-7b \
+    --json "$OUT/rollout_smollm2_$3.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_$3.log" | grep -v '^{' | grep -v '━\|──'
+  stamp "$1" "rollouts and profiles done"
+}
+
 lora_rollout() {
   timeout "$1" python3 benchmarks/bench_rollout.py --lora-only --skip-smollm2 --json "$OUT/rollout_7b_lora.json" 2>&1 \
     | tee "$OUT/bench_rollout_7b_lora.log" | grep -v '^{'
@@ -815,10 +824,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     tests/test_decode_attn_gpu.py tests/test_train_gpu.py tests/test_kernel.py -k "not test_kernel or dequantize_many" \
     > "$OUT/gpu_tests_buckets.log" 2>&1; tail -n 12 "$OUT/gpu_tests_buckets.log"
   stamp 78 "GPU tests done"
-  COLUMNS=200 timeout $(( ${T78:-560} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
-    --skip-7b --json "$OUT/rollout_smollm2_buckets.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_buckets.log" \
-    | grep -v '^{' | grep -v '━\|──'
-  stamp 78 "rollouts and profiles done"
+  smollm2_profile 78 "${T78:-560}" buckets
   ;;
 77)
   # session 33: the default build, the GPU tests of the per-layer dequantize (kernel.dequantize_many bit-exact with
@@ -832,13 +838,11 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
     tests/test_engine_gpu.py -k "dequantize_many or dequant_layer or dequantize_bit_exact or decode_equals_eager or pdl_on_off" \
     > "$OUT/gpu_tests_dequant_layer.log" 2>&1; tail -n 6 "$OUT/gpu_tests_dequant_layer.log"
   stamp 77 "GPU tests done"
-  COLUMNS=200 timeout $(( ${T77:-560} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
-    --skip-7b --json "$OUT/rollout_smollm2_dequant.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_dequant.log" \
-    | grep -v '^{' | grep -v '━\|──'
-  stamp 77 "rollouts and profiles done"
+  smollm2_profile 77 "${T77:-560}" dequant
   ;;
 76)
-  # session 31 (prepared, not yet run): the default build, then bench_rollout.py --profile --skip-7b: the SmolLM2
+  # session 31 (run in session 32; bench_rollout.py's --profile arms and profiles are session 33's since): the
+  # default build, then bench_rollout.py --profile --skip-7b: the SmolLM2
   # shapes' rows at batch 64 and 256 (ours NVFP4 / bf16, HF generate) and the decode step at batch 256 profiled
   # in bf16 and NVFP4 (where the 2.5-2.9 ms per step go, against HF's 14.7: the 10x target), with session 32's
   # arm at batch 256: decode attention in our kernel past one wave against the default (SDPA there), interleaved,
@@ -849,10 +853,7 @@ extra_cflags=['-O3'], extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=
   COLUMNS=200 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short tests/test_decode_attn_gpu.py \
     -k engine_decode_attn_same_policy > "$OUT/gpu_tests_attn_engine.log" 2>&1; tail -n 6 "$OUT/gpu_tests_attn_engine.log"
   stamp 76 "engine attention GPU test done"
-  COLUMNS=200 timeout $(( ${T76:-400} - $(date +%s) + t0 )) python3 benchmarks/bench_rollout.py --profile \
-    --skip-7b --json "$OUT/rollout_smollm2_profile.json" 2>&1 | tee "$OUT/bench_rollout_smollm2_profile.log" \
-    | grep -v '^{' | grep -v '━\|──'
-  stamp 76 "rollouts and profiles done"
+  smollm2_profile 76 "${T76:-400}" profile
   ;;
 75)
   # session 31: the default build, then bench_rollout.py with no arm flag (session 30's fixed bench: one model
