@@ -436,6 +436,12 @@ def _check_bias(bias: torch.Tensor | None, x: torch.Tensor, n: int) -> None:
                          f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
 
 
+def _path_backend(code) -> str:
+    """The backend name of a path code of the extension's ``linear_out`` / ``choose_path`` (0 mma, 1 dequantize +
+    cuBLAS, 2 tiled)."""
+    return {0: BACKEND_KERNEL, 2: BACKEND_TILED}.get(int(code), BACKEND_DEQUANT)
+
+
 def _linear_into(x2: torch.Tensor, qweight: torch.Tensor, gs: torch.Tensor, n: int, k: int,
                  out2: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     ext = _use_kernel(x2) if x2.dtype in _DEQUANT_KERNEL_DTYPES or x2.device.type != "cuda" else None
@@ -446,7 +452,7 @@ def _linear_into(x2: torch.Tensor, qweight: torch.Tensor, gs: torch.Tensor, n: i
         return
     path = ext.linear_out(x2, qweight.contiguous(), _gs(gs), n, k, out2, -1,
                           None if bias is None else bias.contiguous())
-    _set_backend({0: BACKEND_KERNEL, 2: BACKEND_TILED}.get(int(path), BACKEND_DEQUANT))
+    _set_backend(_path_backend(path))
 
 
 @torch.library.custom_op("qerl::linear", mutates_args=())
@@ -727,4 +733,4 @@ def path(m: int, n: int, k: int) -> str | None:
     ext = _load() if torch.cuda.is_available() else None
     if ext is None:
         return None
-    return {0: BACKEND_KERNEL, 2: BACKEND_TILED}.get(int(ext.choose_path(int(m), int(n), int(k))), BACKEND_DEQUANT)
+    return _path_backend(ext.choose_path(int(m), int(n), int(k)))
