@@ -119,6 +119,47 @@ def test_signal_ends_with_one_line_and_its_exit_code(tmp_path, sig, code):
     assert "Traceback" not in text and text.startswith("interrupted:") and len(text.splitlines()) == 1, text
 
 
+def _run_nap(body: str) -> subprocess.CompletedProcess:
+    """``qerl nap`` through typer's real dispatch, ``body`` its command's code (indented by 4)."""
+    script = "import atexit, os, sys, time\nfrom qerl_cli import cli\n\n@cli.app.command('nap')\ndef nap():\n"
+    script += textwrap.indent(textwrap.dedent(body), "    ") + "\nsys.argv = ['qerl', 'nap']\ncli.main()\n"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "COLUMNS": "200"})
+
+
+def test_a_second_signal_ends_at_once_with_one_line(tmp_path):
+    """A second Ctrl-C after the first was handled in whatever ran then: at exit (an atexit hook, as torch's) it
+    printed "Exception ignored in atexit callback" and a traceback. Any second signal now ends the process at once
+    with one line and 128 + its number. One that stops a cleanup between ``_replace_dir``'s two renames leaves the
+    previous output's copy, which the next run to that output puts back."""
+    res = _run_nap(f"""
+        atexit.register(lambda: (os.kill(os.getpid(), {int(signal.SIGINT)}), time.sleep(30)))
+        os.kill(os.getpid(), {int(signal.SIGTERM)})
+        time.sleep(30)
+    """)
+    text = (res.stdout + res.stderr).strip()
+    assert res.returncode == 130 and "Traceback" not in text, (res.returncode, text)
+    assert text.splitlines()[0].startswith("interrupted:") and text.splitlines()[1].startswith("interrupted again:")
+    assert len(text.splitlines()) == 2, text
+    out, old = tmp_path / "out", tmp_path / ".out.old-999999999-deadbeef"  # (no process has that pid)
+    out.mkdir()
+    (out / "kept.txt").write_text("the previous artifact")
+    res = _run_nap(f"""
+        try:
+            os.kill(os.getpid(), {int(signal.SIGINT)})
+            time.sleep(30)
+        finally:  # the cleanup: _replace_dir's first rename done, then a second signal
+            os.rename({str(out)!r}, {str(old)!r})
+            os.kill(os.getpid(), {int(signal.SIGTERM)})
+            time.sleep(30)
+    """)
+    text = (res.stdout + res.stderr).strip()
+    assert res.returncode == 143 and text.startswith("interrupted again:") and len(text.splitlines()) == 1, text
+    assert not out.exists() and old.exists()
+    artifact._sweep_stale_temporaries(out)  # (what the next run_stage to this output does first)
+    assert (out / "kept.txt").read_text() == "the previous artifact" and not old.exists()
+
+
 def test_nan_and_inf_options_are_refused():
     from qerl_cli.engine import SamplingConfig
 

@@ -334,7 +334,20 @@ OUT_OF_MEMORY = ("out of {where} memory; outputs that were complete before are u
 
 
 def _on_signal(signum, frame):
+    # the first signal unwinds the stages (their cleanup runs); another one during that cleanup ends the process
+    # at once with one line, rather than a traceback from wherever the cleanup was: what it leaves (a temporary, a
+    # replaced output between its two renames) the next run of that stage sweeps up or puts back
+    signal.signal(signal.SIGTERM, _on_second_signal)
+    signal.signal(signal.SIGINT, _on_second_signal)
     raise Interrupted(signum)
+
+
+def _on_second_signal(signum, frame):
+    try:
+        ui.console.print("[bold red]interrupted again:[/] stopped before the cleanup finished; the next run of the "
+                         "stage to the same output puts back or removes what it left.", soft_wrap=True)
+    finally:
+        os._exit(128 + signum)
 
 
 def main() -> None:
