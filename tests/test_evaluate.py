@@ -74,7 +74,7 @@ def test_report_compares_and_refuses_different_datasets(packed, tmp_path):
     data = json.loads(r.file(names.REPORT_JSON).read_text())
     assert len(data["evals"]) == 2 and data["paired"][0]["shared_examples"] == 3
     md = r.file(names.REPORT_MD).read_text()
-    assert "McNemar" in md and "Answers checked by: qerl.parse_number 2." in md
+    assert "McNemar" in md and "Answers checked by: qerl.parse_number 3." in md
     # the policy each eval declares, in the table: packed weights verified, greedy, 6 new tokens at most
     ra, rb = data["evals"]
     assert (ra["weights"], ra["verify"], ra["top_p"], ra["max_new_tokens"]) == ("nvfp4-packed", "verified", 1.0, 6)
@@ -338,7 +338,7 @@ def test_answer_checker_is_recorded_in_eval(packed, tmp_path, monkeypatch):
         "name": "math-verify", "version": "9.9.9"}
     assert b.key != a.key
     # (review, session 26) report paired evals scored by different checkers as if "correct" meant the same
-    with pytest.raises(QerlError, match=r"different answer checkers.*qerl.parse_number 2.*math-verify 9.9.9"):
+    with pytest.raises(QerlError, match=r"different answer checkers.*qerl.parse_number 3.*math-verify 9.9.9"):
         report.report([a.path, b.path], tmp_path / "rep")
     assert not (tmp_path / "rep").exists()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -405,7 +406,7 @@ def test_answer_checker_is_recorded_and_keyed(pipeline, tmp_path, monkeypatch):
     assert tasks.answer_checker() == tasks.NUMERIC_CHECKER  # (math-verify is not installed here)
     kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
     a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
-    assert a.config["verifier"]["checker"] == {"name": "qerl.parse_number", "version": "2"}
+    assert a.config["verifier"]["checker"] == {"name": "qerl.parse_number", "version": "3"}
     assert json.loads(a.file(names.ROLLOUT_META).read_text())["verifier"] == a.config["verifier"]
     _fake_math_verify(monkeypatch)
     assert tasks.answer_checker() == {"name": "math-verify", "version": "9.9.9"}
@@ -666,3 +667,43 @@ def test_a_cut_off_completion_whose_last_boxed_is_unclosed_is_truncated():
     assert tasks.score("So \\boxed{12} and more wor", "12", truncated=True).status == tasks.CORRECT
     assert tasks.score("\\boxed{\\frac{1}{2}} the end", "1/2", truncated=True).status == tasks.CORRECT
     assert tasks.score(cut, "1", truncated=False).status == tasks.CORRECT  # (not cut: its closed answer stands)
+
+
+def test_a_comma_is_only_a_thousands_separator():
+    """"1,5" was read as 15 (every comma was dropped), so a list or a decimal-comma answer scored correct against
+    a gold 15. A comma now counts only where it groups the integer part in threes; a trailing one ends the answer."""
+    assert tasks.parse_number("1,5") is None and tasks.parse_number("1,2,3") is None
+    assert tasks.parse_number("1,0000") is None and tasks.parse_number(",5") is None
+    assert tasks.parse_number("$1,080.00") == 1080 and tasks.parse_number("-1,234,567.5") == Fraction(-2469135, 2)
+    assert tasks.parse_number("1,000/3") == Fraction(1000, 3) and tasks.parse_number("1{,}080") == 1080
+    assert tasks.parse_number("15,") == 15
+    assert tasks.score("so #### 1,5", "15", truncated=False).status == tasks.WRONG
+    assert tasks.score("The answer is 1,5 kg.", "15", truncated=False).status == tasks.WRONG
+    assert tasks.score("#### 15, as shown", "15", truncated=False).status == tasks.CORRECT
+    assert tasks.score("It sold 1,080 in all.", "1080", truncated=False).status == tasks.CORRECT
+
+
+def test_prompt_format_is_recorded_and_keyed(pipeline, tmp_path, monkeypatch):
+    """The system hint before every question was in no cache key: after a change of it, rollout, evaluate and
+    train served artifacts made from other prompts. It is now recorded (``prompt_format``) and keyed, and the
+    prompts are built from what is recorded."""
+    from transformers import AutoTokenizer
+
+    from qerl_cli import config, evaluate, train
+
+    kw = dict(group=1, max_new_tokens=2, seed=0, progress=False)
+    a = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
+    assert a.config["prompt_format"] == {"system": tasks.SYSTEM_HINT}
+    tok = AutoTokenizer.from_pretrained(str(pipeline / "packed"))
+    before = tasks.chat_prompt(tok, "What is 3 + 4?")
+    train_key = train._key_config(config.load("train", train.TrainConfig, None, {}), 4)
+    monkeypatch.setattr(tasks, "SYSTEM_HINT", "Think step by step.")
+    assert tasks.chat_prompt(tok, "What is 3 + 4?") != before
+    with pytest.raises(QerlError, match="different 'rollout' artifact"):  # not served from the cache
+        rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "a", **kw)
+    b = rollout.rollout(pipeline / "packed", "arith:2", tmp_path / "b", **kw)
+    assert b.key != a.key and b.config["prompt_format"] == {"system": "Think step by step."}
+    assert train._key_config(config.load("train", train.TrainConfig, None, {}), 4)["prompt_format"] != train_key["prompt_format"]
+    e = evaluate.evaluate(pipeline / "packed", "arith:2", tmp_path / "e", num_examples=2, max_new_tokens=2,
+                          progress=False)
+    assert e.config["prompt_format"] == {"system": "Think step by step."}

@@ -287,7 +287,8 @@ def test_heldout_evaluation_and_time_budget(tiny_pipeline, tmp_path, reward):
     assert art.metrics["stopped_by"] == "steps" and art.metrics["steps"] == 4
     # the held-out set: fixed (seed 0 of the held-out split), disjoint from training, same sampling seed
     recorded = json.loads((run / names.RUN_CONFIG).read_text())["config"]
-    cfg = train.TrainConfig(**{k: v for k, v in recorded.items() if k != "verifier"})  # (recorded beside the config)
+    cfg = train.TrainConfig(**{k: v for k, v in recorded.items()
+                               if k not in ("verifier", "prompt_format")})  # (recorded beside the config)
     held = train.heldout_problems(cfg)
     assert len(held) == 6 and not {p.question for p in held} & {p.question for p in tasks.load_problems("arith:16")}
     # a time budget finishes the run early: checkpoint, evaluation and manifest at the stopping step

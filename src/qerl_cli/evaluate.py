@@ -118,7 +118,8 @@ def evaluate(source: str | Path, data_spec: str, output: str | Path, adapter: st
     selected = {"num_examples": len(problems),
                 "split": split if generated or not data.is_local(data_spec) else None}
     run_config = config.without_unused_sampling(
-        config.as_dict(cfg) | selected | {"verifier": scoring, "seeds": BATCH_SEEDS_DEFINITION}
+        config.as_dict(cfg) | selected | {"verifier": scoring, "seeds": BATCH_SEEDS_DEFINITION,
+                                       "prompt_format": tasks.prompt_format()}
         | config.result_env(), cfg.temperature, cfg.sigma)
     hit = artifact.cached(names.KIND_EVAL, output, run_config, inputs, force)
     if hit is None:  # (a cache hit loads no model)

@@ -277,7 +277,8 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     # on a 4-prompt set are one rollout; prompt_seed only where it drew the prompts (arith:N), not for a file
     selected = {"num_prompts": len(texts), "prompt_seed": cfg.prompt_seed if tasks.is_generated(prompts) else None}
     run_config = config.without_unused_sampling(
-        config.as_dict(cfg) | {"verifier": scoring} | selected | config.result_env(), cfg.temperature, cfg.sigma)
+        config.as_dict(cfg) | {"verifier": scoring, "prompt_format": tasks.prompt_format()} | selected
+        | config.result_env(), cfg.temperature, cfg.sigma)
     hit = artifact.cached(names.KIND_ROLLOUT, output, run_config, inputs, force)
     if hit is not None:  # (before the model loads: minutes for a large one)
         _print(json.loads(hit.file(names.ROLLOUT_META).read_text())["summary"], hit.path)

@@ -21,6 +21,8 @@ _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _HASHES = re.compile(r"####\s*(" + _NUM + r"(?:\s*/\s*\d+)?)")
 _ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)\s*(?:\*\*\s*)?(" + _NUM + r"(?:\s*/\s*\d+)?)", re.IGNORECASE)
 _ANY_NUM = re.compile(_NUM + r"(?:\s*/\s*\d+)?")
+# a number whose commas group its integer part in threes ("-1,234,567.5"), or one without commas
+_GROUPED = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d*)?")
 _FRAC = re.compile(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
 
 
@@ -48,7 +50,11 @@ def parse_number(text: str) -> Fraction | None:
             return sign * Fraction(m.group(1)) / Fraction(m.group(2))
         except (ValueError, ZeroDivisionError):
             return None
-    s = s.replace("$", "").replace(",", "").replace(" ", "")
+    s = s.replace("$", "").replace(" ", "").rstrip(",")  # ("#### 15, so ..." ends its answer in a comma)
+    if "," in s:  # a thousands separator only: "1,080" is 1080, but "1,5" (a list, or a decimal comma) is not 15
+        if not all(_GROUPED.fullmatch(part) for part in s.split("/")):
+            return None
+        s = s.replace(",", "")
     if "/" in s:
         a, _, b = s.partition("/")
         try:
@@ -80,7 +86,8 @@ def gold_answer(answer_field: str) -> str:
 
 
 # the built-in checker's rules (parse_number, then exact string match): bump when they change
-NUMERIC_CHECKER = {"name": "qerl.parse_number", "version": "2"}  # 2: LaTeX in a boxed answer
+NUMERIC_CHECKER = {"name": "qerl.parse_number", "version": "3"}  # 2: LaTeX in a boxed answer; 3: a comma
+# only as a thousands separator ("1,5" is no number, not 15)
 
 
 @functools.lru_cache(maxsize=1)
@@ -178,6 +185,13 @@ class Problem:
 SYSTEM_HINT = "Solve the problem. End your reply with the final answer after '####'."
 
 
+def prompt_format() -> dict:
+    """How ``chat_prompt`` turns a question into the model's prompt, beyond the tokenizer (whose chat template the
+    model input keys): the system hint. rollout, evaluate and train record it and key on it, as another hint
+    prompts other completions."""
+    return {"system": SYSTEM_HINT}
+
+
 def problems_from_rows(rows: list[dict], question_field: str = "question", answer_field: str = "answer") -> list[Problem]:
     out = []
     for i, r in enumerate(rows):
@@ -263,7 +277,10 @@ def load_problems(spec: str, seed: int = 0, n: int | None = None, split: str = "
     return probs[:n] if n else probs
 
 
-def chat_prompt(tokenizer, question: str, system: str | None = SYSTEM_HINT) -> list[int]:
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    """The prompt's token ids: the question after ``prompt_format``'s system hint, through the tokenizer's chat
+    template where it has one (else plain text)."""
+    system = prompt_format()["system"]
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

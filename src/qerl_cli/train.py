@@ -508,9 +508,11 @@ def _write_manifest(out: Path, cfg_dict: dict, inputs: list[artifact.Input], key
 def _key_config(cfg: TrainConfig, n_problems: int) -> dict:
     """The config a run is keyed and recorded by: ``num_problems`` as the count selected (0 = all and the set's
     size are one run; the task input holds the problems), the held-out settings only when evaluations run, the
-    answer checker that scores the rollouts (rewards differ between checkers; as in rollout and evaluate) and the
-    switches that change what CUDA computes (``config.result_env``: another sampler draws other tokens)."""
-    d = config.as_dict(cfg) | {"num_problems": n_problems, "verifier": tasks.verifier()} | config.result_env()
+    answer checker that scores the rollouts (rewards differ between checkers; as in rollout and evaluate), the
+    prompt format (``tasks.prompt_format``: another system hint prompts other completions) and the switches that
+    change what CUDA computes (``config.result_env``: another sampler draws other tokens)."""
+    d = config.as_dict(cfg) | {"num_problems": n_problems, "verifier": tasks.verifier(),
+                              "prompt_format": tasks.prompt_format()} | config.result_env()
     if not cfg.eval_every:  # (no evaluation runs: its settings change nothing)
         d |= {"eval_task": None, "eval_problems": None, "eval_temperature": None}
     return d
