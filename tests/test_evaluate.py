@@ -442,6 +442,16 @@ def test_paired_interval_never_collapses():
     same = [1.0] * 10 + [0.0] * 40
     lo, hi = stats.paired_bootstrap(same, same)["ci95"]
     assert lo < 0 < hi and hi - lo > 0.05
+    # (review, session 34) at p = 1/2 the plain correlation (1) still collapsed it: Newcombe's corrected one,
+    # whose interval for two identical evals of 50 at p = 1/2 is +-0.0378 (Fagerland et al.'s implementation)
+    half = [1.0] * 25 + [0.0] * 25
+    assert stats._newcombe_paired(half, half) == pytest.approx((-0.0378, 0.0378), abs=1e-4)
+    lo, hi = stats.paired_bootstrap(half, half)["ci95"]
+    assert lo <= -0.0378 + 1e-4 and hi >= 0.0378 - 1e-4
+    # Fagerland et al.'s worked example (a 2x2 table of 59 / 6 / 16 / 80): Newcombe's interval (-0.1186, -0.0046)
+    a = [1.0] * 59 + [0.0] * 6 + [1.0] * 16 + [0.0] * 80
+    b = [1.0] * 59 + [1.0] * 6 + [0.0] * 16 + [0.0] * 80
+    assert stats._newcombe_paired(a, b) == pytest.approx((-0.11862, -0.00463), abs=1e-5)
     lo, hi = stats.paired_bootstrap([0.0] * 3, [1.0] * 3)["ci95"]
     assert lo < 0.7 and hi == 1.0
     lo, hi = stats.paired_bootstrap([0.0] * 50, [0.0] * 49 + [1.0])["ci95"]

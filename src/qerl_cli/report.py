@@ -139,7 +139,8 @@ def _markdown(rows: list[dict], paired: list[dict], arm_evals: list[dict]) -> st
     methods = sorted({r["ci_method"] for r in rows})
     out += ["", "Intervals: " + "; ".join(methods) + f". Answers checked by: {_checker(rows[0]['verifier'])}."]
     if paired:
-        out += ["", "| vs baseline | shared | only baseline right | only other right | McNemar p | mean diff [95% CI] |",
+        out += ["", "| vs baseline | shared | only baseline right | only other right | McNemar p "
+                "| mean diff, other − baseline [95% CI] |",
                 "|---|---|---|---|---|---|"]
         for p in paired:  # (why McNemar is missing: mean@k scores, or a set that repeats a prompt)
             dash = "n/a (repeated prompts)" if p["distinct_prompts"] < p["shared_examples"] else "n/a (mean@k)"
@@ -152,7 +153,8 @@ def _markdown(rows: list[dict], paired: list[dict], arm_evals: list[dict]) -> st
         out += ["", "Final adapters by arm (each example's score averaged over the arm's seeds; paired bootstrap over "
                 "the shared examples against the first arm — evaluation noise only, the per-seed column shows the "
                 "spread between training seeds):", "",
-                "| arm | seeds | examples | accuracy | per seed | vs | mean diff [95% CI] |", "|---|---|---|---|---|---|---|"]
+                "| arm | seeds | examples | accuracy | per seed | vs | mean diff, arm − vs [95% CI] |",
+                "|---|---|---|---|---|---|---|"]
         for a in arm_evals:
             bs = a.get("paired_bootstrap")
             diff = f"{bs['mean_diff']:+.4f} [{bs['ci95'][0]:+.3f}, {bs['ci95'][1]:+.3f}]" if bs else "-"

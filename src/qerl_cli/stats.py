@@ -73,13 +73,18 @@ def paired_bootstrap(a: list[float], b: list[float], iters: int = 2000, seed: in
 def _newcombe_paired(a: list[float], b: list[float], clusters: list | None = None) -> tuple[float, float]:
     """95% interval of mean(b) - mean(a) over paired examples (scores in [0, 1]) by Newcombe's method 10 (MOVER):
     each arm's Wilson interval (:func:`accuracy_ci`, repeats of a prompt as one cluster; mean@k scores at n, the
-    conservative end) combined with the correlation of the paired scores (0 where it is undefined)."""
+    conservative end) combined with Newcombe's continuity-corrected correlation of the paired scores (0 where it
+    is undefined)."""
     n = len(a)
     pa, pb = sum(a) / n, sum(b) / n
     (la, ua), _ = accuracy_ci(a, 1, clusters=clusters)
     (lb, ub), _ = accuracy_ci(b, 1, clusters=clusters)
     va, vb = sum((x - pa) ** 2 for x in a), sum((y - pb) ** 2 for y in b)
-    r = sum((x - pa) * (y - pb) for x, y in zip(a, b)) / math.sqrt(va * vb) if va > 0 and vb > 0 else 0.0
+    # Newcombe's corrected correlation: for 0/1 scores s = (n11 n00 - n10 n01) / n, and method 10 takes
+    # (s - 1/2) / sqrt(va vb) where s > 1/2, 0 where 0 <= s <= 1/2 (the plain correlation: 1 for two evals that
+    # agree everywhere, which collapsed the interval to zero width at p = 1/2)
+    s = sum((x - pa) * (y - pb) for x, y in zip(a, b))
+    r = 0.0 if va <= 0 or vb <= 0 or 0 <= s <= 0.5 else (s - 0.5 if s > 0.5 else s) / math.sqrt(va * vb)
     d = pb - pa
     lo = d - math.sqrt(max((pb - lb) ** 2 + (ua - pa) ** 2 - 2 * r * (pb - lb) * (ua - pa), 0.0))
     hi = d + math.sqrt(max((ub - pb) ** 2 + (pa - la) ** 2 - 2 * r * (ub - pb) * (pa - la), 0.0))
