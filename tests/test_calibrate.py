@@ -282,6 +282,29 @@ def test_awq_pipeline_end_to_end(calib_dir, tiny_model_dir, tmp_path):
     assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight_packed"], b["model.layers.0.self_attn.q_proj.weight_packed"])
 
 
+def test_an_awq_quant_indexes_its_weights_for_vllm(calib_dir, tiny_model_dir, tmp_path):
+    """vLLM reads every *.safetensors file of a folder without a weight index, so an AWQ quant's folding factors
+    were read as weights (and failed on their names). The quant now indexes exactly its weights file; a quant
+    without the index is refused by the vLLM path in one sentence."""
+    from qerl_cli import vllm_backend
+
+    q = quantize.quantize(str(tiny_model_dir), tmp_path / "quant", calib=calib_dir, progress=False)
+    index = q.read_json(names.MODEL_INDEX)
+    weights = load_file(str(q.file(names.MODEL_WEIGHTS)))
+    assert index["weight_map"] == {k: names.MODEL_WEIGHTS for k in weights}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
+    assert names.MODEL_INDEX in {f["path"] for f in q.manifest["files"]} and q.file(names.FOLDING).is_file()
+    vllm_backend.check_checkpoint(q.path)
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(  # (transformers still loads it, from the weights file)
+        str(q.path), quantization_config=CompressedTensorsConfig(run_compressed=False), dtype=torch.bfloat16)
+    assert torch.equal(model.model.norm.weight.detach(), weights["model.norm.weight"])
+    (q.path / names.MODEL_INDEX).unlink()
+    with pytest.raises(QerlError, match="has no model.safetensors.index.json.*rerun qerl quantize with --force"):
+        vllm_backend.check_checkpoint(q.path)
+
+
 def test_calibrate_cached(calib_dir, tiny_model_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(calibrate, "search_layer", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError))

@@ -14,7 +14,7 @@ from qerl_cli import artifact, layout, names, nvfp4
 from qerl_cli import pack as pack_mod
 
 LINEAGE = {"chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
-QUANT_FILES = LINEAGE | {"manifest.json", "model.safetensors", "quant.json"}
+QUANT_FILES = LINEAGE | {"manifest.json", "model.safetensors", "model.safetensors.index.json", "quant.json"}
 PACKED_FILES = LINEAGE | {"manifest.json", "model.safetensors", "packed.json", "quant.json"}
 VERIFY_FILES = {"manifest.json", "report.json"}
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -5,6 +5,9 @@ SCHEMA_NAME, SCHEMA_MAJOR = "qerl.artifact", 1
 
 MANIFEST = "manifest.json"
 MODEL_WEIGHTS = "model.safetensors"
+# the weight index of a quant checkpoint: loaders that read every *.safetensors file of a folder (vLLM) read only
+# the files it names, so the AWQ folding factors beside the weights are not taken for weights
+MODEL_INDEX = "model.safetensors.index.json"
 MODEL_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 PACKED_INDEX = "packed.json"

@@ -183,6 +183,10 @@ def quantize(model: str, output: str | Path, calib: str | Path | None = None, co
                       metadata={"format": "pt", "meaning": "module weight was divided by this per-channel s"})
         tensors, report = quantize_state(net, cfg, clip, cfg.progress)
         save_file(tensors, str(tmp / names.MODEL_WEIGHTS), metadata={"format": "pt"})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / names.MODEL_INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": {k: names.MODEL_WEIGHTS for k in sorted(tensors)}},
+            indent=1) + "\n")
         conf = modelio.config_dict(net)
         conf["quantization_config"] = quantization_config(unquantized_linears(net, cfg.targets))
         modelio.write_lineage(tmp, conf, tokenizer, net.generation_config)

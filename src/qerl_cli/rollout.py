@@ -65,6 +65,8 @@ class RolloutConfig:
             problems.append("--engine vllm draws AQN noise per batch only: use noise_scope 'batch' with it")
         if self.engine == "vllm" and self.noise_final_norm and self.sigma > 0:
             problems.append("--engine vllm draws AQN noise on the decoder layers' norms only, not the final norm")
+        if self.engine == "vllm" and self.temperature > 2.0:  # (vLLM's SamplingParams refuses it)
+            problems.append("--engine vllm samples at temperatures up to 2")
         try:
             self.sampling()
         except ValueError as e:
@@ -252,6 +254,7 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
         quant = artifact.open_artifact(source, names.KIND_PACKED).input_of(names.KIND_QUANT)
         if quant is None:
             raise QerlError("--engine vllm needs a packed artifact made from a quant checkpoint.")
+        vllm_backend.check_checkpoint(quant[0])
     tok, input_arts, info, load_model = resolve_policy(source, device, verify_dir=verify_dir, skip_verify=skip_verify)
     modelio.fix_tokenizer(tok)
     texts, problems = load_prompts(prompts, cfg.prompt_seed, cfg.num_prompts, tok)
@@ -283,8 +286,10 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
     if hit is not None:  # (before the model loads: minutes for a large one)
         _print(json.loads(hit.file(names.ROLLOUT_META).read_text())["summary"], hit.path)
         return hit
-    vllm_engine = (vllm_backend.VLLMEngine(str(quant[0]))
-                   if cfg.engine == "vllm" else None)
+    vllm_engine = None
+    if cfg.engine == "vllm":
+        rank = max((a.shape[0] for a, _ in lora.factors.values()), default=1) if lora is not None else 1
+        vllm_engine = vllm_backend.VLLMEngine(str(quant[0]), max_lora_rank=vllm_backend.lora_rank_setting(rank))
     model = load_model()
     check_positions(model.config, max(map(len, prompt_ids)), cfg.max_new_tokens)  # (every engine, not only ours)
     if lora is not None:
@@ -309,7 +314,8 @@ def rollout(source: str | Path, prompts: str, output: str | Path, group: int | N
             noise_states.append(noise_record(ns, cfg.engine, model) | {"batch": bi, "prompts": [s, s + len(chunk)]})
             if vllm_engine is not None:
                 ns = vllm_engine.set_noise(cfg.sigma, nseed)
-                noise_states[-1] = ns.as_dict() | {"batch": bi, "prompts": [s, s + len(chunk)]}
+                noise_states[-1] = ns.as_dict() | {"dtype": vllm_engine.norm_dtype, "batch": bi,
+                                                   "prompts": [s, s + len(chunk)]}
                 b = vllm_engine.generate(chunk, cfg.group, cfg.sampling(), sseed, vllm_adapter, tok.pad_token_id)
             elif cfg.engine == "hf":
                 b = hf_generate(model, chunk, cfg, eos, tok.pad_token_id, sseed, eng)
