@@ -160,6 +160,27 @@ def test_stop_after_checkpoints_the_step_it_stops_at(tiny_pipeline, tmp_path, re
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_refuses_a_run_whose_metrics_lost_steps(tiny_pipeline, tmp_path, reward):
+    """(review, session 34) With metrics.jsonl deleted, or cut inside its first line, --resume finished the run
+    with only the resumed steps' records (a report then showed 2 of its 4 steps). It now refuses, and a metrics
+    file whose records are whole resumes as before."""
+    kw = TINY | {"save_every": 50}
+    part = tmp_path / "part"
+    assert train.train(tiny_pipeline["packed"], part, stop_after=2, **kw, overrides=OVR) is None
+    metrics = part / names.RUN_METRICS
+    whole = metrics.read_text()
+    for damage, match in ((lambda: metrics.unlink(), "is missing"),
+                          (lambda: metrics.write_text(whole[:10]), "does not hold one record for each step"),
+                          (lambda: metrics.write_text(whole.splitlines()[1] + "\n"),
+                           "does not hold one record for each step")):
+        damage()
+        with pytest.raises(QerlError, match=match + ".*start it over with --force"):
+            train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
+    metrics.write_text(whole)
+    assert train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR) is not None
+    assert [m["step"] for m in _metrics(part)] == [1, 2, 3, 4]
+
+
 def _flip_last_byte(f) -> None:
     """Change one byte of a safetensors file's tensor data (its end): the file still parses, a value differs."""
     raw = bytearray(f.read_bytes())

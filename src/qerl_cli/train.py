@@ -945,9 +945,17 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
         for p in output.glob(".step-*.tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
         metrics_path = output / names.RUN_METRICS
+        if state == "resume" and start and not metrics_path.is_file():
+            raise QerlError(f"{metrics_path} is missing, so the run's history before step {start} is lost; it cannot "
+                            "be resumed: start it over with --force.")
         if state == "resume" and metrics_path.is_file():  # cut back to the last complete checkpoint
             # (without one, nothing is kept: the step-0 evaluation is redone)
-            lines = [json.dumps(r) for r in _metrics_lines(metrics_path) if r["step"] <= start] if start else []
+            kept = [r for r in _metrics_lines(metrics_path) if r["step"] <= start] if start else []
+            want = ([0] if cfg.eval_every else []) + list(range(1, start + 1))
+            if start and [r["step"] for r in kept] != want:  # (a deleted or cut file: the run would lack steps)
+                raise QerlError(f"{metrics_path} does not hold one record for each step up to the checkpoint at "
+                                f"step {start}; the run cannot be resumed: start it over with --force.")
+            lines = [json.dumps(r) for r in kept]
             tmp = output / f".{names.RUN_METRICS}.tmp-{os.getpid()}"
             tmp.write_text("".join(ln + "\n" for ln in lines))
             os.replace(tmp, metrics_path)
