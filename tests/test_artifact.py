@@ -454,3 +454,40 @@ def test_manifest_fields_of_the_wrong_type_are_one_sentence(tmp_path, change):
     with pytest.raises(QerlError, match="wrong type|unknown|lacks"):
         artifact.open_artifact(out, "quant")
     assert _run(out, force=True).manifest[names.K_KIND] == "quant"  # still ours: --force replaces it
+
+
+def test_an_output_inside_another_artifact_is_refused(tmp_path):
+    """(review, session 34) `qerl pack quant -o eval/p` wrote a pack inside an eval artifact; replacing the eval
+    (--force) then deleted it. An output that lies inside an artifact, or inside a train run's directory, is now
+    refused before anything is written."""
+    def body(tmp: Path) -> dict:
+        (tmp / "x.txt").write_text("x")
+        return {}
+
+    outer = artifact.run_stage("eval", tmp_path / "eval", {"a": 1}, [], body)
+    for inside in (outer.path / "p", outer.path / "deeper" / "p"):
+        with pytest.raises(QerlError, match=r"lies inside the artifact .*eval, which would lose it when replaced"):
+            artifact.run_stage("packed", inside, {"a": 1}, [], body)
+        assert not inside.exists()
+    run = tmp_path / "run"  # (a train run's directory holds train_config.json from its start, before a manifest)
+    run.mkdir()
+    (run / names.RUN_CONFIG).write_text("{}")
+    with pytest.raises(QerlError, match="lies inside the artifact"):
+        artifact.run_stage("eval", run / "eval", {"a": 1}, [], body)
+    (tmp_path / "plain").mkdir()  # (a folder that is no artifact holds outputs as before)
+    assert artifact.run_stage("eval", tmp_path / "plain" / "e", {"a": 1}, [], body).path.is_dir()
+
+
+def test_force_over_a_linked_output_leaves_no_hidden_copy(tmp_path):
+    """(review, session 34) An output that was a symbolic link to an artifact: --force replaced the link with the
+    new artifact but left the old link behind as a hidden `.NAME.old-*` entry (rmtree refuses links)."""
+    def body(tmp: Path) -> dict:
+        (tmp / "x.txt").write_text("new")
+        return {}
+
+    target = artifact.run_stage("eval", tmp_path / "eval", {"a": 1}, [], body)
+    (tmp_path / "lnk").symlink_to(target.path)
+    new = artifact.run_stage("eval", tmp_path / "lnk", {"a": 2}, [], body, force=True)
+    assert not new.path.is_symlink() and new.config == {"a": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "lnk"]
+    assert artifact.open_artifact(tmp_path / "eval", "eval").config == {"a": 1}  # (the linked artifact stays)

@@ -179,6 +179,24 @@ def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
 
     with pytest.raises(QerlError, match="is a directory"):
         data.load_records(str(tmp_path))
+    # (review, session 34) an empty spec was "data file . is a directory"; JSON rows in a file without a suffix
+    # were read as plain text, and then lacked every field ("fields: ['text']")
+    with pytest.raises(QerlError, match="the data spec is empty"):
+        data.load_records("")
+    (tmp_path / "rows").write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
+    with pytest.raises(QerlError, match="rows has no .jsonl/.json/.parquet/.txt suffix.*looks like JSON"):
+        data.load_records(str(tmp_path / "rows"))
+    (tmp_path / "notes").write_text("plain text\n\nmore text\n")  # (text without a suffix reads as before)
+    assert [r["text"] for r in data.load_records(str(tmp_path / "notes")).rows] == ["plain text", "more text\n"]
+    # an output under a file was "File exists (…/afile)."; evaluate of a calib said a 'packed' artifact was needed
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(QerlError, match=r"the output .*afile/sub cannot be made: .*afile is a file, not a folder"):
+        artifact.run_stage("eval", tmp_path / "afile" / "sub", {}, [], lambda tmp: {})
+    from qerl_cli import evaluate
+
+    calib = artifact.run_stage("calib", tmp_path / "calib", {}, [], lambda tmp: {})
+    with pytest.raises(QerlError, match="is a 'calib' artifact; evaluate takes a 'packed' or 'quant' artifact"):
+        evaluate.evaluate(calib.path, "arith:2", tmp_path / "ev", progress=False)
     a = random_adapter(tmp_path / "ad")
     from safetensors.torch import load_file
 
@@ -311,3 +329,65 @@ def test_an_artifact_of_a_model_type_this_transformers_lacks_is_one_sentence(tin
     _rehash(p)
     with pytest.raises(QerlError, match="'qerl_future_arch'.*transformers"):
         load_packed_model(artifact.open_artifact(p, names.KIND_PACKED))
+
+
+def test_a_quant_damaged_under_a_rehashed_manifest_is_one_sentence_in_pack_and_evaluate(tiny_pipeline, tmp_path):
+    """(review, session 34) A quant whose down_proj codes were dropped, its scales kept, packed without complaint
+    (the fp8 scales went into the pack as plain tensors) and verify / rollout then crashed in ``isfinite`` on
+    float8; evaluate, which dequantizes the quant itself, raised torch's errors for a codes tensor of the wrong
+    dtype or shape. Each is one sentence now."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from qerl_cli import artifact
+    from qerl_cli.pack import pack
+    from qerl_cli.packed_model import load_dequantized_model, load_packed_model
+
+    n = "model.layers.0.mlp.down_proj"
+    cases = {
+        "orphan": (lambda t: t.pop(f"{n}.{names.CT_PACKED}"), f"holds {n}.weight_(global_)?scale without the {n}.weight_packed"),
+        "dtype": (lambda t: t.update({f"{n}.{names.CT_PACKED}": t[f"{n}.{names.CT_PACKED}"].float()}),
+                  "must be a 2-D uint8 tensor"),
+        "shape": (lambda t: t.update({f"{n}.{names.CT_SCALE}": t[f"{n}.{names.CT_SCALE}"][:, :1].contiguous()}),
+                  "weight_scale must be float8_e4m3fn of shape"),
+    }
+    for name, (edit, match) in cases.items():
+        q = tmp_path / name / "quant"
+        shutil.copytree(tiny_pipeline["quant"], q)
+        t = load_file(str(q / names.MODEL_WEIGHTS))
+        edit(t)
+        save_file(t, str(q / names.MODEL_WEIGHTS), metadata={"format": "pt"})
+        _rehash(q)
+        with pytest.raises(QerlError, match=match):
+            pack(q, tmp_path / name / "packed", progress=False)
+        assert not (tmp_path / name / "packed").exists()
+        with pytest.raises(QerlError):  # (the orphan: tensors the model does not have, and down_proj's missing)
+            load_dequantized_model(load_file(str(q / names.MODEL_WEIGHTS)), q)
+    # a pack that holds a stray float8 tensor: one sentence, not isfinite's NotImplementedError
+    p = tmp_path / "packed"
+    shutil.copytree(tiny_pipeline["packed"], p)
+    t = load_file(str(p / names.MODEL_WEIGHTS))
+    t["model.layers.0.stray"] = torch.zeros(4).to(torch.float8_e4m3fn)
+    save_file(t, str(p / names.MODEL_WEIGHTS), metadata={"format": "pt"})
+    _rehash(p)
+    with pytest.raises(QerlError, match="holds tensors the model does not have, e.g. model.layers.0.stray"):
+        load_packed_model(artifact.open_artifact(p, names.KIND_PACKED))
+
+
+def test_a_misspelt_quantize_target_and_a_huge_generated_task_are_refused(tiny_pipeline, tmp_path):
+    """(review, session 34) A quantize config target naming no Linear (``down_porj``) left those layers dense,
+    silently; ``arith:99999999999999`` held every problem in memory until the host killed the process."""
+    from qerl_cli import tasks
+    from qerl_cli.quantize import quantize
+
+    cfg = tmp_path / "q.toml"
+    cfg.write_text('targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_porj"]\n')
+    with pytest.raises(QerlError, match=r"targets \['down_porj'\] name no Linear layer of the model"):
+        quantize(str(tiny_pipeline["model"]), tmp_path / "quant", config_file=cfg, progress=False)
+    assert not (tmp_path / "quant").exists()
+    with pytest.raises(QerlError, match="the generated task holds at most 1,000,000 problems"):
+        tasks.load_problems("arith:99999999999999")
+    assert len(tasks.load_problems(f"arith:{tasks.MAX_GENERATED}", n=3)) == 3
+    r = run_cli("rollout", str(tiny_pipeline["packed"]), "--prompts", "arith:99999999999999", "-o",
+                str(tmp_path / "r"))
+    _clean_error(r, "at most 1,000,000 problems")

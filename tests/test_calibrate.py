@@ -305,6 +305,24 @@ def test_an_awq_quant_indexes_its_weights_for_vllm(calib_dir, tiny_model_dir, tm
         vllm_backend.check_checkpoint(q.path)
 
 
+def test_a_calib_damaged_under_a_rehashed_manifest_is_one_sentence_in_quantize(calib_dir, tiny_model_dir, tmp_path):
+    """(review, session 34) quantize read a calib's scales with safetensors directly: a file cut short under a
+    re-hashed manifest was safetensors' traceback (pack, verify and rollout already said it in one sentence)."""
+    import shutil
+
+    c = tmp_path / "calib"
+    shutil.copytree(calib_dir, c)
+    f = c / names.CALIB_SCALES
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    m = json.loads((c / names.MANIFEST).read_text())
+    m["files"] = artifact.list_files(c)
+    m["digest"] = artifact._digest(m["key"], m["files"])
+    (c / names.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(QerlError, match=f"its {names.CALIB_SCALES} cannot be read"):
+        quantize.quantize(str(tiny_model_dir), tmp_path / "quant", calib=c, progress=False)
+    assert not (tmp_path / "quant").exists()
+
+
 def test_calibrate_cached(calib_dir, tiny_model_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(calibrate, "search_layer", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError))

@@ -273,8 +273,12 @@ _ARTIFACT_KINDS = {names.KIND_MODEL, names.KIND_CALIB, names.KIND_QUANT, names.K
 def check_output_apart(out: str | Path, inputs: list[Input]) -> None:
     """A clear error when the output directory is one of the inputs, holds one, or lies inside one: replacing
     it would destroy that input (artifact inputs are recorded relative to the output, data files, prompts,
-    adapters and tasks as given)."""
+    adapters and tasks as given); and when it lies inside any artifact (a train run's directory too)."""
     o = Path(out).resolve()
+    for p in o.parents:  # (an artifact written inside another was deleted when that one was replaced: --force)
+        if (p / names.RUN_CONFIG).is_file() or ((p / names.MANIFEST).is_file() and is_qerl_manifest(p)):
+            raise QerlError(f"the output {out} lies inside the artifact {p}, which would lose it when replaced; "
+                            "choose an output outside it.")
     for i in inputs:
         cands = [Path(out) / i.path] if i.kind in _ARTIFACT_KINDS else [Path(i.path), Path(out) / i.path]
         for c in cands:
@@ -397,7 +401,10 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
     hit = _existing_output(kind, out, key, inputs, force)
     if hit is not None:
         return hit
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:  # ("File exists (a/file)." named no mistake)
+        raise QerlError(f"the output {out} cannot be made: {e.filename} is a file, not a folder.") from None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -461,7 +468,10 @@ def _replace_dir(tmp: Path, out: Path) -> None:
             if not out.exists():
                 os.rename(old, out)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():  # (an output that was a link: the link goes, what it pointed to stays)
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from . import artifact, awq, config, data, modelio, names, nvfp4, ui
 from .errors import QerlError
@@ -420,7 +420,7 @@ def calibrate(model: str, data_spec: str, output: str | Path, samples: int | Non
     if not cfg.clip_search:  # the clip ratios are never read without the clip search
         run_config["clip_ratios"] = None
     art = artifact.run_stage(names.KIND_CALIB, output, run_config, inputs, body, force=force)
-    print_summary(json.loads(art.file(names.CALIB_REPORT).read_text()))
+    print_summary(art.read_json(names.CALIB_REPORT))
     return art
 
 
@@ -450,8 +450,8 @@ def apply_calibration(model, calib: artifact.Artifact) -> tuple[dict[str, float]
     linear, folding factors per folded module, summary). The folding factor ``s`` of a norm means its weight
     was divided by ``s``; the rollout engine divides each AQN draw by it, so sigma keeps its meaning on the
     unfolded scales."""
-    scales = load_file(str(calib.file(names.CALIB_SCALES)))
-    report = json.loads(calib.file(names.CALIB_REPORT).read_text())
+    scales = calib.read_tensors(names.CALIB_SCALES)  # (one sentence for a damaged file, not a traceback)
+    report = calib.read_json(names.CALIB_REPORT)
     layers = decoder_layers(model)
     folds: dict[str, torch.Tensor] = {}
     for key, s in scales.items():

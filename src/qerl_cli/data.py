@@ -28,6 +28,8 @@ def is_local(spec: str) -> bool:
 
 def load_records(spec: str, split: str = "train") -> Records:
     """Load rows from ``spec``: a local file, or ``hf:NAME[:CONFIG]`` / a bare HF dataset name."""
+    if not spec.strip():  # (Path("") is ".": "data file . is a directory" said nothing of the mistake)
+        raise QerlError("the data spec is empty: give a .jsonl/.json/.parquet/.txt file or hf:NAME.")
     p = Path(spec)
     if is_local(spec):
         return _load_local(p)
@@ -84,6 +86,10 @@ def _load_local(p: Path) -> Records:
                 raise QerlError(f"{p} is not a readable parquet file ({str(e).splitlines()[0]}).") from None
         else:
             text = p.read_text(encoding="utf-8-sig")
+            first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+            if suffix != ".txt" and first.startswith(("{", "[")):  # (JSON rows read as plain text lost their fields)
+                raise QerlError(f"{p} has no .jsonl/.json/.parquet/.txt suffix, so it would be read as plain text, "
+                                "but it looks like JSON: name it .jsonl or .json.")
             rows = [{"text": t} for t in text.split("\n\n") if t.strip()]
     except UnicodeDecodeError:
         raise QerlError(f"{p} is not UTF-8 text.") from None

@@ -60,7 +60,11 @@ def _resolve_source(source: str | Path, device: str, verify_dir, skip_verify: bo
     """(tokenizer, inputs, info, load) for a packed artifact, a quant artifact (dequantized reference) or a source
     model, as ``rollout.resolve_policy``: ``load()`` reads the weights."""
     src = Path(str(source))
-    if (src / names.MANIFEST).is_file() and artifact.read_manifest(src)[names.K_KIND] == names.KIND_QUANT:
+    kind = artifact.read_manifest(src)[names.K_KIND] if (src / names.MANIFEST).is_file() else None
+    if kind not in (None, names.KIND_QUANT, names.KIND_PACKED):  # ("a 'packed' artifact is needed" said too little)
+        raise QerlError(f"{src} is {artifact._a(kind)} '{kind}' artifact; evaluate takes a 'packed' or 'quant' "
+                        "artifact, or a model.")
+    if kind == names.KIND_QUANT:
         from transformers import AutoTokenizer
 
         from .pack import load_checkpoint

@@ -77,6 +77,9 @@ def pack_tensors(tensors: dict[str, torch.Tensor], progress: bool = True) -> tup
         consumed.update(f"{name}.{s}" for s in (names.CT_PACKED, names.CT_SCALE, names.CT_GLOBAL))
     for key, t in tensors.items():
         if key not in consumed:
+            if key.endswith(("." + names.CT_SCALE, "." + names.CT_GLOBAL)):  # (its codes are missing)
+                raise QerlError(f"the quant checkpoint holds {key} without the "
+                                f"{key.rsplit('.', 1)[0]}.{names.CT_PACKED} it scales.")
             if t.is_floating_point() and not torch.isfinite(t.float()).all():
                 raise QerlError(f"{key} holds NaN or infinite values.")
             out[key] = t

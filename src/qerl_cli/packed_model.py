@@ -143,7 +143,7 @@ def load_packed_model(art: Artifact, dtype: torch.dtype = torch.float32, device:
     if tensors is None:
         tensors = art.read_tensors(names.MODEL_WEIGHTS)
     for k, t in tensors.items():  # (the codes are uint8; scales, norms and embeddings must be finite)
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if t.is_floating_point() and not torch.isfinite(t.float()).all():  # (float8 has no isfinite of its own)
             raise QerlError(f"{art.path} holds NaN or infinite values in {k}; recreate it from a finite model.")
     model = _skeleton(art.path, dtype)
     skip = set()
@@ -176,9 +176,12 @@ def load_dequantized_model(tensors: dict[str, torch.Tensor], art_dir: Path, dtyp
     """A plain model whose Linear weights are the quant checkpoint's NVFP4 values, dequantized (the reference)."""
     model = _skeleton(art_dir, dtype)
     skip = set()
+    from .pack import check_linear
+
     for key in tensors:
         if key.endswith("." + names.CT_PACKED):
             name = key[: -len(names.CT_PACKED) - 1]
+            check_linear(tensors, name)  # (dtypes and shapes: one sentence, as pack gives, not a traceback)
             w = nvfp4.dequantize(nvfp4.unpack_nibbles(tensors[key]), tensors[f"{name}.{names.CT_SCALE}"],
                                  tensors[f"{name}.{names.CT_GLOBAL}"], dtype)
             mod = model.get_submodule(name)

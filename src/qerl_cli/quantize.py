@@ -73,6 +73,11 @@ def quantized_linears(model, targets: tuple[str, ...]) -> list[tuple[str, torch.
             found.append((name, mod))
     if not found:
         raise QerlError(f"the model has no Linear layers named {list(targets)}; nothing to quantize.")
+    unmatched = sorted(set(targets) - {n.rsplit(".", 1)[-1] for n, _ in found})
+    if unmatched:  # (a misspelt target left those layers dense, silently)
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise QerlError(f"targets {unmatched} name no Linear layer of the model that is quantized (its Linear "
+                        f"layers: {leaves}; lm_head is never quantized).")
     return found
 
 

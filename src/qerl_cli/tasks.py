@@ -245,6 +245,9 @@ def arithmetic_problems(n: int, seed: int, split: str = "train", difficulty: int
     return out
 
 
+MAX_GENERATED = 1_000_000  # problems of arith:N at most
+
+
 def is_generated(spec: str) -> bool:
     """Whether ``spec`` names the generated arithmetic task (``arith`` or ``arith:N``) rather than a file or
     dataset (a file may well be called ``arithmetic.jsonl``)."""
@@ -255,6 +258,8 @@ def is_generated(spec: str) -> bool:
     count = spec[len("arith:"):]
     if not (count.isascii() and count.isdigit()):  # (isdigit alone takes '²', which int() refuses)
         raise QerlError(f"{spec}: the generated task is 'arith' or 'arith:N' with N a whole number of problems.")
+    if int(count) > MAX_GENERATED:  # (the problems are held in memory: a huge N ran the host out of it)
+        raise QerlError(f"{spec}: the generated task holds at most {MAX_GENERATED:,} problems.")
     return True
 
 
