@@ -194,6 +194,20 @@ def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
         artifact.run_stage("eval", tmp_path / "afile" / "sub", {}, [], lambda tmp: {})
     from qerl_cli import evaluate
 
+    # a model folder without tokenizer files: transformers' message was cut to "…from one of."; a pack moved
+    # away from its quant: "…/quant does not exist."
+    md = tmp_path / "no-tok"
+    md.mkdir()
+    for f in tiny_pipeline["model"].iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, md / f.name)
+    with pytest.raises(QerlError, match="has no tokenizer files .*copy its tokenizer beside the weights"):
+        modelio.load_tokenizer(modelio.resolve(str(md)))
+    shutil.copytree(tiny_pipeline["packed"], tmp_path / "moved" / "packed")
+    from qerl_cli.verify import verify
+
+    with pytest.raises(QerlError, match=r"records its quant input at .*quant, which does not exist .*--against"):
+        verify(tmp_path / "moved" / "packed", tmp_path / "moved" / "verify", progress=False, device="cpu")
     calib = artifact.run_stage("calib", tmp_path / "calib", {}, [], lambda tmp: {})
     with pytest.raises(QerlError, match="is a 'calib' artifact; evaluate takes a 'packed' or 'quant' artifact"):
         evaluate.evaluate(calib.path, "arith:2", tmp_path / "ev", progress=False)

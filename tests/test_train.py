@@ -177,6 +177,12 @@ def test_resume_refuses_a_run_whose_metrics_lost_steps(tiny_pipeline, tmp_path, 
         with pytest.raises(QerlError, match=match + ".*start it over with --force"):
             train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
     metrics.write_text(whole)
+    conf = part / names.RUN_CONFIG  # (unreadable: it was "an unfinished run with a different config")
+    kept = conf.read_text()
+    conf.write_text("{bad")
+    with pytest.raises(QerlError, match="train_config.json cannot be read, so it cannot be resumed"):
+        train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
+    conf.write_text(kept)
     assert train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR) is not None
     assert [m["step"] for m in _metrics(part)] == [1, 2, 3, 4]
 

@@ -128,6 +128,10 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json")
+    if not source.gguf_file and not any((Path(source.directory) / f).is_file() for f in tokenizer_files):
+        raise QerlError(f"model {source.spec} has no tokenizer files ({', '.join(tokenizer_files)}); copy its "
+                        "tokenizer beside the weights.")
     try:
         return AutoTokenizer.from_pretrained(str(source.directory), **kw)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad model dir

@@ -327,6 +327,9 @@ def verify(packed: str | Path, output: str | Path, against: str | Path | None = 
         if recorded is None:
             raise QerlError(f"{packed} records no quant input; pass --against QUANT.")
         against = recorded[0]
+        if not Path(against).exists():  # (a pack moved away from its quant: where the quant was recorded is gone)
+            raise QerlError(f"{packed} records its quant input at {against}, which does not exist (a moved pack?); "
+                            "pass --against QUANT.")
     q = artifact.open_artifact(against, names.KIND_QUANT)
     lineage_ok = any(i.get(names.K_DIGEST) == q.digest for i in p.inputs)
     backend = backend_name(cfg.device)
