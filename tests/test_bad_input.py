@@ -248,7 +248,6 @@ def test_nan_logits_mid_rollout_are_one_sentence_and_leave_the_old_output(tiny_p
 def test_a_quant_linear_whose_k_is_not_a_multiple_of_16_is_one_sentence(tiny_pipeline, tmp_path):
     """A quant checkpoint edited under a re-hashed manifest so that a linear holds K = 40 inputs (weight_packed
     [N, 20], weight_scale [N, 2]: shapes that agree with each other): pack raised layout's ValueError."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     from qerl_cli.pack import pack

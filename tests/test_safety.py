@@ -275,5 +275,5 @@ def test_a_run_config_that_is_not_an_object_is_one_sentence_on_resume(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / names.RUN_CONFIG).write_text("[1, 2]\n")
-    with pytest.raises(QerlError, match="holds an unfinished run with a different config"):
+    with pytest.raises(QerlError, match="train_config.json is not a readable run config, so it cannot be resumed"):
         train._prepare_output(out, "sha256:" + "0" * 64, resume=True, force=False)

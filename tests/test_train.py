@@ -180,7 +180,7 @@ def test_resume_refuses_a_run_whose_metrics_lost_steps(tiny_pipeline, tmp_path, 
     conf = part / names.RUN_CONFIG  # (unreadable: it was "an unfinished run with a different config")
     kept = conf.read_text()
     conf.write_text("{bad")
-    with pytest.raises(QerlError, match="train_config.json cannot be read, so it cannot be resumed"):
+    with pytest.raises(QerlError, match="train_config.json is not a readable run config, so it cannot be resumed"):
         train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
     conf.write_text(kept)
     assert train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR) is not None

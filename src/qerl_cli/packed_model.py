@@ -174,10 +174,10 @@ def attach_norm_folding(model, art_dir: Path) -> None:
 def load_dequantized_model(tensors: dict[str, torch.Tensor], art_dir: Path, dtype: torch.dtype = torch.float32,
                            device: str | torch.device = "cpu"):
     """A plain model whose Linear weights are the quant checkpoint's NVFP4 values, dequantized (the reference)."""
-    model = _skeleton(art_dir, dtype)
-    skip = set()
     from .pack import check_linear
 
+    model = _skeleton(art_dir, dtype)
+    skip = set()
     for key in tensors:
         if key.endswith("." + names.CT_PACKED):
             name = key[: -len(names.CT_PACKED) - 1]

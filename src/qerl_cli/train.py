@@ -391,8 +391,8 @@ def _prepare_output(out: Path, key: str, resume: bool, force: bool, replaced: _R
         if not resume:
             raise QerlError(f"{out} holds an unfinished run; pass --resume to continue it or --force to start over.")
         if old_key is None:  # (unreadable: whether it is the same run cannot be told)
-            raise QerlError(f"{out} holds an unfinished run whose {names.RUN_CONFIG} cannot be read, so it cannot be "
-                            "resumed; pass --force to start over.")
+            raise QerlError(f"{out} holds an unfinished run whose {names.RUN_CONFIG} is not a readable run config, so "
+                            "it cannot be resumed; pass --force to start over.")
         if old_key != key:
             raise QerlError(f"{out} holds an unfinished run with a different config or inputs; --resume needs the "
                             "same command (and number of ranks), or pass --force to start over.")
