@@ -471,11 +471,15 @@ def test_an_output_inside_another_artifact_is_refused(tmp_path):
         assert not inside.exists()
     run = tmp_path / "run"  # (a train run's directory holds train_config.json from its start, before a manifest)
     run.mkdir()
-    (run / names.RUN_CONFIG).write_text("{}")
+    (run / names.RUN_CONFIG).write_text(json.dumps({"key": "sha256:" + "0" * 64, "definitions": {}}))
     with pytest.raises(QerlError, match="lies inside the artifact"):
         artifact.run_stage("eval", run / "eval", {"a": 1}, [], body)
-    (tmp_path / "plain").mkdir()  # (a folder that is no artifact holds outputs as before)
-    assert artifact.run_stage("eval", tmp_path / "plain" / "e", {"a": 1}, [], body).path.is_dir()
+    # a folder that is no artifact holds outputs as before, with another tool's train_config.json or manifest.json
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / names.RUN_CONFIG).write_text('{"lr": 0.001}')
+    (plain / names.MANIFEST).write_text('{"name": "a web app"}')
+    assert artifact.run_stage("eval", plain / "e", {"a": 1}, [], body).path.is_dir()
 
 
 def test_force_over_a_linked_output_leaves_no_hidden_copy(tmp_path):
@@ -491,3 +495,16 @@ def test_force_over_a_linked_output_leaves_no_hidden_copy(tmp_path):
     assert not new.path.is_symlink() and new.config == {"a": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "lnk"]
     assert artifact.open_artifact(tmp_path / "eval", "eval").config == {"a": 1}  # (the linked artifact stays)
+
+
+def test_a_linked_output_left_by_a_killed_stage_is_swept(tmp_path):
+    """(review, session 34) A stage killed after replacing a linked output left its old link as `.NAME.old-*`:
+    the sweep's rmtree refused links (and a dangling one crashed its sort)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, to in ((".out.old-999999999-deadbeef", target), (".out.old-999999998-deadbeef", tmp_path / "gone")):
+        (tmp_path / name).symlink_to(to)
+    artifact._sweep_stale_temporaries(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "target"]

@@ -184,14 +184,21 @@ def test_small_input_mistakes_are_named_as_they_are(tmp_path, tiny_pipeline):
     with pytest.raises(QerlError, match="the data spec is empty"):
         data.load_records("")
     (tmp_path / "rows").write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
-    with pytest.raises(QerlError, match="rows has no .jsonl/.json/.parquet/.txt suffix.*looks like JSON"):
+    with pytest.raises(QerlError, match="rows is read as plain text .* but it holds JSON: name it .jsonl or .json"):
         data.load_records(str(tmp_path / "rows"))
     (tmp_path / "notes").write_text("plain text\n\nmore text\n")  # (text without a suffix reads as before)
     assert [r["text"] for r in data.load_records(str(tmp_path / "notes")).rows] == ["plain text", "more text\n"]
+    (tmp_path / "toc.md").write_text("[TOC]\n\n# Title\n")  # (a bracket that is no JSON: plain text)
+    assert len(data.load_records(str(tmp_path / "toc.md")).rows) == 2
+    (tmp_path / "rows.md").write_text('[{"text": "a"}]')
+    with pytest.raises(QerlError, match="rows.md is read as plain text .* but it holds JSON"):
+        data.load_records(str(tmp_path / "rows.md"))
     # an output under a file was "File exists (…/afile)."; evaluate of a calib said a 'packed' artifact was needed
     (tmp_path / "afile").write_text("x")
     with pytest.raises(QerlError, match=r"the output .*afile/sub cannot be made: .*afile is a file, not a folder"):
         artifact.run_stage("eval", tmp_path / "afile" / "sub", {}, [], lambda tmp: {})
+    with pytest.raises(QerlError, match=r"afile/sub/out cannot be made: \S*afile is a file, not a folder"):
+        artifact.run_stage("eval", tmp_path / "afile" / "sub" / "out", {}, [], lambda tmp: {})
     from qerl_cli import evaluate
 
     # a model folder without tokenizer files: transformers' message was cut to "…from one of."; a pack moved
@@ -390,13 +397,19 @@ def test_a_quant_damaged_under_a_rehashed_manifest_is_one_sentence_in_pack_and_e
 def test_a_misspelt_quantize_target_and_a_huge_generated_task_are_refused(tiny_pipeline, tmp_path):
     """(review, session 34) A quantize config target naming no Linear (``down_porj``) left those layers dense,
     silently; ``arith:99999999999999`` held every problem in memory until the host killed the process."""
+    import torch
+
     from qerl_cli import tasks
-    from qerl_cli.quantize import quantize
+    from qerl_cli.quantize import quantize, quantized_linears
 
     cfg = tmp_path / "q.toml"
     cfg.write_text('targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_porj"]\n')
     with pytest.raises(QerlError, match=r"targets \['down_porj'\] name no Linear layer of the model"):
         quantize(str(tiny_pipeline["model"]), tmp_path / "quant", config_file=cfg, progress=False)
+    # the usual projection names a model of another family lacks (Phi's qkv_proj) are no mistake: the rest is quantized
+    phi = torch.nn.Module()
+    phi.qkv_proj, phi.o_proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+    assert [n for n, _ in quantized_linears(phi, ("q_proj", "k_proj", "v_proj", "o_proj"))] == ["o_proj"]
     assert not (tmp_path / "quant").exists()
     with pytest.raises(QerlError, match="the generated task holds at most 1,000,000 problems"):
         tasks.load_problems("arith:99999999999999")

@@ -676,7 +676,7 @@ def test_a_comma_is_only_a_thousands_separator():
     assert tasks.parse_number("1,0000") is None and tasks.parse_number(",5") is None
     assert tasks.parse_number("$1,080.00") == 1080 and tasks.parse_number("-1,234,567.5") == Fraction(-2469135, 2)
     assert tasks.parse_number("1,000/3") == Fraction(1000, 3) and tasks.parse_number("1{,}080") == 1080
-    assert tasks.parse_number("15,") == 15
+    assert tasks.parse_number("15,") == 15 and tasks.parse_number("+1,200") == 1200
     assert tasks.score("so #### 1,5", "15", truncated=False).status == tasks.WRONG
     assert tasks.score("The answer is 1,5 kg.", "15", truncated=False).status == tasks.WRONG
     assert tasks.score("#### 15, as shown", "15", truncated=False).status == tasks.CORRECT

@@ -160,7 +160,7 @@ def test_stop_after_checkpoints_the_step_it_stops_at(tiny_pipeline, tmp_path, re
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_refuses_a_run_whose_metrics_lost_steps(tiny_pipeline, tmp_path, reward):
+def test_resume_refuses_a_run_whose_metrics_lost_steps(tiny_pipeline, tmp_path, reward, monkeypatch):
     """(review, session 34) With metrics.jsonl deleted, or cut inside its first line, --resume finished the run
     with only the resumed steps' records (a report then showed 2 of its 4 steps). It now refuses, and a metrics
     file whose records are whole resumes as before."""
@@ -169,6 +169,8 @@ def test_resume_refuses_a_run_whose_metrics_lost_steps(tiny_pipeline, tmp_path, 
     assert train.train(tiny_pipeline["packed"], part, stop_after=2, **kw, overrides=OVR) is None
     metrics = part / names.RUN_METRICS
     whole = metrics.read_text()
+    real_wrap = train.lora.wrap  # (the refusals come before the model loads and is wrapped)
+    monkeypatch.setattr(train.lora, "wrap", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
     for damage, match in ((lambda: metrics.unlink(), "is missing"),
                           (lambda: metrics.write_text(whole[:10]), "does not hold one record for each step"),
                           (lambda: metrics.write_text(whole.splitlines()[1] + "\n"),
@@ -177,6 +179,7 @@ def test_resume_refuses_a_run_whose_metrics_lost_steps(tiny_pipeline, tmp_path, 
         with pytest.raises(QerlError, match=match + ".*start it over with --force"):
             train.train(tiny_pipeline["packed"], part, resume=True, **kw, overrides=OVR)
     metrics.write_text(whole)
+    monkeypatch.setattr(train.lora, "wrap", real_wrap)
     conf = part / names.RUN_CONFIG  # (unreadable: it was "an unfinished run with a different config")
     kept = conf.read_text()
     conf.write_text("{bad")

@@ -276,7 +276,7 @@ def check_output_apart(out: str | Path, inputs: list[Input]) -> None:
     adapters and tasks as given); and when it lies inside any artifact (a train run's directory too)."""
     o = Path(out).resolve()
     for p in o.parents:  # (an artifact written inside another was deleted when that one was replaced: --force)
-        if (p / names.RUN_CONFIG).is_file() or ((p / names.MANIFEST).is_file() and is_qerl_manifest(p)):
+        if _is_run_config(p / names.RUN_CONFIG) or ((p / names.MANIFEST).is_file() and is_qerl_manifest(p)):
             raise QerlError(f"the output {out} lies inside the artifact {p}, which would lose it when replaced; "
                             "choose an output outside it.")
     for i in inputs:
@@ -291,6 +291,18 @@ def check_output_apart(out: str | Path, inputs: list[Input]) -> None:
             if c == o or o in c.parents or c in o.parents:
                 raise QerlError(f"the output {out} and the input {c} overlap (one is or holds the other), so writing "
                                 "the output would destroy the input; choose another output.")
+
+
+def _is_run_config(f: Path) -> bool:
+    """Whether ``f`` is the run config of a qerl train run (one being written has no manifest yet): a JSON object
+    with the run's key and definitions, not another tool's ``train_config.json``."""
+    if not f.is_file():
+        return False
+    try:
+        c = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(c, dict) and str(c.get(names.K_KEY, "")).startswith("sha256:") and "definitions" in c
 
 
 def is_qerl_manifest(root: Path) -> bool:
@@ -321,12 +333,15 @@ def _sweep_stale_temporaries(out: Path) -> None:
             continue
         if pid != os.getpid() and not _pid_alive(pid):
             stale.append(p)
-    olds = sorted((p for p in stale if p.name.startswith(f".{out.name}.old-")), key=lambda p: p.stat().st_ctime)
+    olds = sorted((p for p in stale if p.name.startswith(f".{out.name}.old-")), key=lambda p: p.lstat().st_ctime)
     if olds and not out.exists() and not out.is_symlink():
         os.rename(olds[-1], out)  # (renamed last: the most recent output)
         stale.remove(olds[-1])
     for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_symlink():  # (a replaced output that was a link: rmtree refuses links)
+            p.unlink()
+        else:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -403,8 +418,9 @@ def run_stage(kind: str, out: str | Path, config: dict, inputs: list[Input], bod
         return hit
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as e:  # ("File exists (a/file)." named no mistake)
-        raise QerlError(f"the output {out} cannot be made: {e.filename} is a file, not a folder.") from None
+    except (FileExistsError, NotADirectoryError):  # ("File exists (a/file)." named no mistake)
+        blocker = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p.is_symlink())
+        raise QerlError(f"the output {out} cannot be made: {blocker} is a file, not a folder.") from None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:

@@ -344,8 +344,9 @@ def _on_signal(signum, frame):
 
 def _on_second_signal(signum, frame):
     try:
-        ui.console.print("[bold red]interrupted again:[/] stopped before the cleanup finished; the next run of the "
-                         "stage to the same output puts back or removes what it left.", soft_wrap=True)
+        ui.console.print("[bold red]interrupted again:[/] stopped before the cleanup finished; hidden .NAME.tmp-*, "
+                         ".NAME.old-* or .NAME.replaced-* folders may remain beside the output (the next run of a "
+                         "stage to it puts an .old-* one back or removes it).", soft_wrap=True)
     finally:
         os._exit(128 + signum)
 

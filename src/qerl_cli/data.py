@@ -50,6 +50,18 @@ def load_records(spec: str, split: str = "train") -> Records:
                           "fingerprint": getattr(ds, "_fingerprint", None)})
 
 
+def _json_rows(text: str) -> bool:
+    """Whether ``text`` is JSON rows: its first non-blank line, or the whole text, parses to an object or a list."""
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    for part in (first, text):
+        try:
+            if isinstance(json.loads(part), (dict, list)):
+                return True
+        except ValueError:
+            pass
+    return False
+
+
 def _load_local(p: Path) -> Records:
     if p.is_dir():
         raise QerlError(f"data file {p} is a directory; give a .jsonl/.json/.parquet/.txt file inside it.")
@@ -86,10 +98,9 @@ def _load_local(p: Path) -> Records:
                 raise QerlError(f"{p} is not a readable parquet file ({str(e).splitlines()[0]}).") from None
         else:
             text = p.read_text(encoding="utf-8-sig")
-            first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-            if suffix != ".txt" and first.startswith(("{", "[")):  # (JSON rows read as plain text lost their fields)
-                raise QerlError(f"{p} has no .jsonl/.json/.parquet/.txt suffix, so it would be read as plain text, "
-                                "but it looks like JSON: name it .jsonl or .json.")
+            if suffix != ".txt" and _json_rows(text):  # (JSON rows read as plain text lost their fields)
+                raise QerlError(f"{p} is read as plain text (its name does not end in .jsonl, .json, .parquet or "
+                                ".txt), but it holds JSON: name it .jsonl or .json.")
             rows = [{"text": t} for t in text.split("\n\n") if t.strip()]
     except UnicodeDecodeError:
         raise QerlError(f"{p} is not UTF-8 text.") from None

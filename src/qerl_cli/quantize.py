@@ -65,6 +65,9 @@ def quantization_config(ignore: list[str]) -> dict:
     }
 
 
+USUAL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def quantized_linears(model, targets: tuple[str, ...]) -> list[tuple[str, torch.nn.Linear]]:
     """(qualified name, module) of every Linear whose last name component is a target (lm_head never)."""
     found = []
@@ -73,8 +76,10 @@ def quantized_linears(model, targets: tuple[str, ...]) -> list[tuple[str, torch.
             found.append((name, mod))
     if not found:
         raise QerlError(f"the model has no Linear layers named {list(targets)}; nothing to quantize.")
-    unmatched = sorted(set(targets) - {n.rsplit(".", 1)[-1] for n, _ in found})
-    if unmatched:  # (a misspelt target left those layers dense, silently)
+    # a target that names nothing (a misspelling left those layers dense, silently) is refused, but for the
+    # usual projection names of the default targets, which models of other families (Phi's qkv_proj) lack
+    unmatched = sorted(set(targets) - {n.rsplit(".", 1)[-1] for n, _ in found} - set(USUAL_PROJECTIONS))
+    if unmatched:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise QerlError(f"targets {unmatched} name no Linear layer of the model that is quantized (its Linear "
                         f"layers: {leaves}; lm_head is never quantized).")

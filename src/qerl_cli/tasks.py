@@ -22,7 +22,7 @@ _HASHES = re.compile(r"####\s*(" + _NUM + r"(?:\s*/\s*\d+)?)")
 _ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)\s*(?:\*\*\s*)?(" + _NUM + r"(?:\s*/\s*\d+)?)", re.IGNORECASE)
 _ANY_NUM = re.compile(_NUM + r"(?:\s*/\s*\d+)?")
 # a number whose commas group its integer part in threes ("-1,234,567.5"), or one without commas
-_GROUPED = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d*)?")
+_GROUPED = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d*)?")
 _FRAC = re.compile(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}")
 
 

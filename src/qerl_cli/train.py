@@ -324,6 +324,22 @@ def _step_dirs(out: Path) -> list[Path]:
     return sorted(p for p in out.glob(names.STEP_DIR_GLOB) if p.is_dir())
 
 
+def _resume_metrics(output: Path, start: int, eval_every: int) -> list[dict]:
+    """The metrics records a run resumed after step ``start`` keeps: one per step up to ``start`` (and step 0's
+    evaluation); a deleted or cut metrics.jsonl would finish the run without part of its history, so it is refused."""
+    path = output / names.RUN_METRICS
+    if not start:
+        return []
+    if not path.is_file():
+        raise QerlError(f"{path} is missing, so the run's history before step {start} is lost; it cannot be "
+                        "resumed: start it over with --force.")
+    kept = [r for r in _metrics_lines(path) if r["step"] <= start]
+    if [r["step"] for r in kept] != ([0] if eval_every else []) + list(range(1, start + 1)):
+        raise QerlError(f"{path} does not hold one record for each step up to the checkpoint at step {start}; the "
+                        "run cannot be resumed: start it over with --force.")
+    return kept
+
+
 class _Replaced:
     """The run directory that --force replaces: moved aside, not deleted, until the new run has saved its first
     checkpoint (or ended); a new run that fails or is interrupted before that gets it back (``restore``)."""
@@ -925,6 +941,8 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
         ui.info(f"[green]train[/]: {escape(str(output))} is up to date (cached); nothing to do. Use --force to recompute.")
         return artifact.open_artifact(output, names.KIND_RUN)
 
+    if state == "resume" and dist.main and _step_dirs(output):  # (before the model loads: a file says it)
+        _resume_metrics(output, int(_step_dirs(output)[-1].name.rsplit("-", 1)[-1]), cfg.eval_every)
     model = load_model()  # (after the cache check: a cached rerun reads no weights)
     pm = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
     trainer = Trainer(cfg, pm, tok, problems, dist, device, heldout)
@@ -948,17 +966,9 @@ def _train(source: str | Path, output: str | Path, task: str | None = None, step
         for p in output.glob(".step-*.tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
         metrics_path = output / names.RUN_METRICS
-        if state == "resume" and start and not metrics_path.is_file():
-            raise QerlError(f"{metrics_path} is missing, so the run's history before step {start} is lost; it cannot "
-                            "be resumed: start it over with --force.")
         if state == "resume" and metrics_path.is_file():  # cut back to the last complete checkpoint
             # (without one, nothing is kept: the step-0 evaluation is redone)
-            kept = [r for r in _metrics_lines(metrics_path) if r["step"] <= start] if start else []
-            want = ([0] if cfg.eval_every else []) + list(range(1, start + 1))
-            if start and [r["step"] for r in kept] != want:  # (a deleted or cut file: the run would lack steps)
-                raise QerlError(f"{metrics_path} does not hold one record for each step up to the checkpoint at "
-                                f"step {start}; the run cannot be resumed: start it over with --force.")
-            lines = [json.dumps(r) for r in kept]
+            lines = [json.dumps(r) for r in _resume_metrics(output, start, cfg.eval_every)]
             tmp = output / f".{names.RUN_METRICS}.tmp-{os.getpid()}"
             tmp.write_text("".join(ln + "\n" for ln in lines))
             os.replace(tmp, metrics_path)
