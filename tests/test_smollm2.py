@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from conftest import run_cli
 
 from qerl_cli import artifact
@@ -19,6 +21,11 @@ def test_smollm2_quantize_pack_verify(tmp_path):
              ("verify", str(packed), "-o", str(ver), "--config", str(light))]
     for args in steps:
         res = run_cli(*args, "--no-progress")
+        if res.returncode and args[0] == "verify" and (ver / "report.json").is_file():  # (the failed checks, whole)
+            checks = json.loads((ver / "report.json").read_text())["checks"]
+            failed = {k: {f: v for f, v in c.items() if f != "layers"} | {"failed_layers": [
+                r for r in c.get("layers", []) if not r.get("passed")][:5]} for k, c in checks.items() if not c["passed"]}
+            pytest.fail(f"verify failed: {json.dumps(failed)[:4000]}")
         assert res.returncode == 0, (args, res.stdout, res.stderr)
         assert "Traceback" not in res.stderr
         if args[0] == "verify":
