@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from . import names
 from .errors import QerlError
 from .packed_model import PackedLinear
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = names.PROJECTIONS
 
 
 def _peft():

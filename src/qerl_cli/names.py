@@ -9,6 +9,9 @@ MODEL_WEIGHTS = "model.safetensors"
 # the files it names, so the AWQ folding factors beside the weights are not taken for weights
 MODEL_INDEX = "model.safetensors.index.json"
 MODEL_CONFIG = "config.json"
+# the projection names of the Llama / Qwen families: LoRA's and in-memory packing's default targets, and the
+# quantize targets a model of another family may lack
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GENERATION_CONFIG = "generation_config.json"
 PACKED_INDEX = "packed.json"
 CALIB_SCALES = "scales.safetensors"

@@ -195,8 +195,7 @@ def load_dequantized_model(tensors: dict[str, torch.Tensor], art_dir: Path, dtyp
     return model.to(device)
 
 
-def pack_model_inplace(model, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                          "up_proj", "down_proj"),
+def pack_model_inplace(model, targets: tuple[str, ...] = names.PROJECTIONS,
                        fused_groups: tuple[str, ...] = ("q_proj,k_proj,v_proj", "gate_proj,up_proj")):
     """Quantize (round-to-nearest, shared global scales) and pack every target Linear of ``model`` in memory,
     on its own device — the same math as ``quantize`` + ``pack`` without writing artifacts. For benchmarks

@@ -65,9 +65,6 @@ def quantization_config(ignore: list[str]) -> dict:
     }
 
 
-USUAL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def quantized_linears(model, targets: tuple[str, ...]) -> list[tuple[str, torch.nn.Linear]]:
     """(qualified name, module) of every Linear whose last name component is a target (lm_head never)."""
     found = []
@@ -78,7 +75,7 @@ def quantized_linears(model, targets: tuple[str, ...]) -> list[tuple[str, torch.
         raise QerlError(f"the model has no Linear layers named {list(targets)}; nothing to quantize.")
     # a target that names nothing (a misspelling left those layers dense, silently) is refused, but for the
     # usual projection names of the default targets, which models of other families (Phi's qkv_proj) lack
-    unmatched = sorted(set(targets) - {n.rsplit(".", 1)[-1] for n, _ in found} - set(USUAL_PROJECTIONS))
+    unmatched = sorted(set(targets) - {n.rsplit(".", 1)[-1] for n, _ in found} - set(names.PROJECTIONS))
     if unmatched:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise QerlError(f"targets {unmatched} name no Linear layer of the model that is quantized (its Linear "
